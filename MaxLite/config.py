@@ -1,0 +1,188 @@
+"""Build the one validated, frozen config object from YAML files and key=value overrides.
+
+Order of precedence (later wins): the `base_config:` chain, the YAML named on the command line,
+`configs/models/<model_name>.yml`, then command-line overrides. Every key must exist in
+configs/base.yml, and every value is typed from the default there. Derived values (mesh shape,
+global batch, run directories, parameter count) are added by `derived.py`, so the rest of MaxLite
+reads a single object and never recomputes them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from MaxLite.errors import ConfigError
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+BASE_CONFIG_PATH = os.path.join(CONFIGS_DIR, "base.yml")
+MODELS_DIR = os.path.join(CONFIGS_DIR, "models")
+
+
+class Config:
+  """Read-only attribute view over a dict of config values (lists become tuples)."""
+
+  def __init__(self, values: Mapping[str, Any]):
+    object.__setattr__(self, "_values", MappingProxyType({k: _freeze(v) for k, v in values.items()}))
+
+  def __getattr__(self, name: str) -> Any:
+    try:
+      return self._values[name]
+    except KeyError:
+      raise AttributeError(f"config has no key {name!r}") from None
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(f"config is frozen; cannot set {name!r}")
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._values
+
+  def to_dict(self) -> dict[str, Any]:
+    return {k: _thaw(v) for k, v in self._values.items()}
+
+
+def _freeze(value: Any) -> Any:
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  return value
+
+
+def _thaw(value: Any) -> Any:
+  if isinstance(value, tuple):
+    return [_thaw(v) for v in value]
+  return value
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file not found: {path}")
+  try:
+    with open(path) as f:
+      data = yaml.safe_load(f) or {}
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}" if mark else ""
+    raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path} must hold a mapping of key: value, got {type(data).__name__}")
+  return data
+
+
+def _read_with_inheritance(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+  path = os.path.abspath(path)
+  if path in seen:
+    raise ConfigError(f"base_config cycle: {' -> '.join(seen + (path,))}")
+  data = _read_yaml(path)
+  parent = data.pop("base_config", None)
+  if parent is None:
+    return data
+  parent_path = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(path), parent)
+  merged = _read_with_inheritance(parent_path, seen + (path,))
+  merged.update(data)
+  return merged
+
+
+def _unknown_key_error(key: str, source: str, known: Sequence[str]) -> ConfigError:
+  close = difflib.get_close_matches(key, known, n=1)
+  hint = f"; did you mean {close[0]!r}?" if close else "; every key must be defined in configs/base.yml"
+  return ConfigError(f"unknown config key {key!r} ({source}){hint}")
+
+
+def _type_name(value: Any) -> str:
+  return {bool: "bool", int: "int", float: "float", str: "string", list: "list"}.get(type(value), type(value).__name__)
+
+
+def coerce(key: str, value: Any, default: Any, source: str) -> Any:
+  """Return `value` converted to the type of `default`, or raise a ConfigError naming the key."""
+  if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+    for parse in (int, float):  # YAML 1.1 reads "1e-4" as a string; Python does not
+      try:
+        value = parse(value)
+        break
+      except ValueError:
+        pass
+  if isinstance(value, str) and not isinstance(default, str):
+    try:
+      value = yaml.safe_load(value) if value.strip() else value
+    except yaml.YAMLError:
+      pass
+  bad = ConfigError(f"config key {key!r} ({source}) expects {_type_name(default)}, got {value!r}")
+  if isinstance(default, bool):
+    if isinstance(value, bool):
+      return value
+    raise bad
+  if isinstance(default, int):
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, float) and value.is_integer():
+      return int(value)
+    raise bad
+  if isinstance(default, float):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise bad
+  if isinstance(default, str):
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+      return str(value)
+    raise bad
+  if isinstance(default, list):
+    if isinstance(value, (list, tuple)):
+      return list(value)
+    raise bad
+  return value
+
+
+def _merge(config: dict[str, Any], updates: Mapping[str, Any], source: str, defaults: Mapping[str, Any]) -> None:
+  for key, value in updates.items():
+    if key not in defaults:
+      raise _unknown_key_error(key, source, list(defaults))
+    config[key] = coerce(key, value, defaults[key], source)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, str]:
+  parsed = {}
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"command-line argument {item!r} is not key=value")
+    key, value = item.split("=", 1)
+    parsed[key.strip()] = value
+  return parsed
+
+
+def available_models() -> list[str]:
+  return sorted(f[: -len(".yml")] for f in os.listdir(MODELS_DIR) if f.endswith(".yml"))
+
+
+def load_raw(argv: Sequence[str]) -> dict[str, Any]:
+  """Merge YAML files, the model overlay and overrides into a typed dict (no derived values)."""
+  if not argv:
+    raise ConfigError("usage: train.py CONFIG.yml [key=value ...]")
+  config_path, overrides = argv[0], parse_overrides(argv[1:])
+  if "=" in config_path:
+    raise ConfigError(f"first argument must be a YAML config file, got {config_path!r}")
+  defaults = _read_yaml(BASE_CONFIG_PATH)
+  config = dict(defaults)
+  _merge(config, _read_with_inheritance(config_path), f"from {config_path}", defaults)
+
+  model_name = coerce("model_name", overrides.get("model_name", config["model_name"]), "", "model_name")
+  if model_name != "default":
+    model_path = os.path.join(MODELS_DIR, f"{model_name}.yml")
+    if not os.path.isfile(model_path):
+      raise ConfigError(f"unknown model_name {model_name!r}; available: default, {', '.join(available_models())}")
+    _merge(config, _read_yaml(model_path), f"from {model_path}", defaults)
+  _merge(config, overrides, "from command line", defaults)
+  return config
+
+
+def load_config(argv: Sequence[str], *, num_devices: int | None = None, num_slices: int | None = None,
+                process_count: int | None = None) -> Config:
+  """Build the validated, frozen config. Device counts default to what JAX sees."""
+  from MaxLite import derived  # pylint: disable=import-outside-toplevel
+
+  raw = load_raw(argv)
+  return Config(derived.validate_and_derive(raw, num_devices=num_devices, num_slices=num_slices,
+                                            process_count=process_count))

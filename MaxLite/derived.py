@@ -1,0 +1,180 @@
+"""Validation of a merged config and the values derived from it, all in one place.
+
+Every check raises ConfigError with one line naming the keys involved and what would be valid.
+Derived keys are added to the returned dict; they are not settable from YAML or the command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from typing import Any, Sequence
+
+from MaxLite.errors import ConfigError
+
+MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
+# Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
+AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "sequence": "sequence",
+            "tensor": "tensor", "expert": "expert"}
+REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlp", "save_dot_except_mlpwi",
+                  "save_qkv_proj", "save_out_proj")
+DTYPES = ("float32", "bfloat16")
+DATASET_TYPES = ("synthetic", "grain")
+
+
+def resolve_parallelism(prefix: str, values: dict[str, int], total: int, what: str) -> dict[str, int]:
+  """Fill the single -1 in {axis: size} so the product equals `total`."""
+  keys = {axis: f"{prefix}_{AXIS_KEY[axis]}_parallelism" for axis in values}
+  for axis, value in values.items():
+    if value == 0 or value < -1:
+      raise ConfigError(f"{keys[axis]} must be a positive integer or -1, got {value}")
+  fill = [a for a, v in values.items() if v == -1]
+  if len(fill) > 1:
+    raise ConfigError(f"at most one {prefix}_*_parallelism may be -1, got {', '.join(keys[a] for a in fill)}")
+  known = math.prod(v for v in values.values() if v != -1)
+  shown = " x ".join(f"{keys[a]}={v}" for a, v in values.items() if v != 1) or "all 1"
+  if fill:
+    if total % known:
+      raise ConfigError(f"{prefix}_*_parallelism ({shown}) cannot fill {total} {what}: {known} does not divide {total}")
+    return {a: (total // known if v == -1 else v) for a, v in values.items()}
+  if known != total:
+    raise ConfigError(f"{prefix}_*_parallelism product is {known} ({shown}) but there are {total} {what}; "
+                      f"make the product {total} or set one of them to -1")
+  return dict(values)
+
+
+def _device_counts(num_devices: int | None, num_slices: int | None, process_count: int | None) -> tuple[int, int, int]:
+  if num_devices is None or num_slices is None or process_count is None:
+    import jax  # pylint: disable=import-outside-toplevel
+    devices = jax.devices()
+    num_devices = len(devices) if num_devices is None else num_devices
+    process_count = jax.process_count() if process_count is None else process_count
+    if num_slices is None:
+      num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+  return num_devices, num_slices, process_count
+
+
+def batch_mesh_axes(rules: Sequence[Sequence[Any]]) -> tuple[str, ...]:
+  """Mesh axes that split the batch: whatever `activation_batch` maps to."""
+  for name, axes in rules:
+    if name == "activation_batch":
+      return tuple([axes] if isinstance(axes, str) else axes or ())
+  return ()
+
+
+def _check_choices(c: dict[str, Any]) -> None:
+  for key, choices in (("remat_policy", REMAT_POLICIES), ("dtype", DTYPES), ("weight_dtype", DTYPES),
+                       ("dataset_type", DATASET_TYPES), ("decoder_block", ("llama2",)), ("profiler", ("", "xplane"))):
+    if c[key] not in choices:
+      raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
+  if list(c["mlp_activations"]) != ["silu", "linear"]:
+    raise ConfigError(f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU)")
+  if list(c["mesh_axes"]) != list(MESH_AXES):
+    raise ConfigError(f"mesh_axes must be {list(MESH_AXES)}, got {list(c['mesh_axes'])}")
+  for rule in c["logical_axis_rules"]:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f"logical_axis_rules entry {rule!r} must be [logical_name, mesh_axis or list of mesh axes]")
+    axes = [rule[1]] if isinstance(rule[1], str) else (rule[1] or [])
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+      raise ConfigError(f"logical_axis_rules: {rule[0]!r} maps to unknown mesh axis {unknown[0]!r}; "
+                        f"mesh axes are {', '.join(MESH_AXES)}")
+
+
+def _check_positive(c: dict[str, Any]) -> None:
+  for key in ("steps", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
+              "base_num_decoder_layers", "vocab_size", "max_target_length", "gradient_accumulation_steps",
+              "log_period", "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps"):
+    if c[key] <= 0:
+      raise ConfigError(f"{key} must be positive, got {c[key]}")
+  if c["per_device_batch_size"] <= 0:
+    raise ConfigError(f"per_device_batch_size must be positive, got {c['per_device_batch_size']}")
+  if not 0.0 <= c["warmup_steps_fraction"] < 1.0:
+    raise ConfigError(f"warmup_steps_fraction must be in [0, 1), got {c['warmup_steps_fraction']}")
+  if not 0.0 <= c["dropout_rate"] < 1.0:
+    raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
+  if c["eval_interval"] != -1 and (c["eval_interval"] <= 0 or c["eval_steps"] <= 0):
+    raise ConfigError(f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
+                      "(eval_interval=-1 disables eval)")
+
+
+def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
+  q, kv = c["base_num_query_heads"], c["base_num_kv_heads"]
+  if q % kv:
+    raise ConfigError(f"base_num_kv_heads={kv} must divide base_num_query_heads={q} (GQA groups must be whole)")
+  tp = mesh["tensor"]
+  for key in ("base_num_query_heads", "base_num_kv_heads"):
+    if c[key] % tp:
+      raise ConfigError(f"{key}={c[key]} is not divisible by tensor parallelism {tp} "
+                        "(ici_tensor_parallelism x dcn_tensor_parallelism)")
+  if c["max_target_length"] % mesh["sequence"]:
+    raise ConfigError(f"max_target_length={c['max_target_length']} is not divisible by sequence parallelism "
+                      f"{mesh['sequence']}")
+  if mesh["stage"] > 1:
+    raise ConfigError(f"pipeline parallelism {mesh['stage']} (ici/dcn_pipeline_parallelism) is not supported yet; "
+                      "set both to 1")
+
+
+def parameter_count(c: dict[str, Any]) -> int:
+  """Exact number of parameters of the Llama decoder (tested against the real model)."""
+  emb, mlp, d = c["base_emb_dim"], c["base_mlp_dim"], c["head_dim"]
+  q, kv, vocab = c["base_num_query_heads"], c["base_num_kv_heads"], c["vocab_size"]
+  per_layer = emb * d * (2 * q + 2 * kv) + 3 * emb * mlp + 2 * emb
+  head = 0 if c["logits_via_embedding"] else emb * vocab
+  return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
+
+
+def validate_and_derive(c: dict[str, Any], *, num_devices: int | None = None, num_slices: int | None = None,
+                        process_count: int | None = None) -> dict[str, Any]:
+  c = dict(c)
+  _check_choices(c)
+  _check_positive(c)
+  num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
+  dcn = {a: c[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
+  slices = c["num_slices"]
+  if slices == -1:
+    slices = detected_slices if detected_slices > 1 or -1 in dcn.values() else math.prod(dcn.values())
+  if slices <= 0 or num_devices % slices:
+    raise ConfigError(f"num_slices={slices} must be positive and divide the {num_devices} devices")
+  dcn = resolve_parallelism("dcn", dcn, slices, "slices")
+  ici = resolve_parallelism("ici", {a: c[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES},
+                            num_devices // slices, "devices per slice")
+  mesh = {a: ici[a] * dcn[a] for a in MESH_AXES}
+  _check_model_vs_mesh(c, mesh)
+
+  micro_batch = c["per_device_batch_size"] * num_devices
+  if not float(micro_batch).is_integer() or micro_batch < 1:
+    raise ConfigError(f"per_device_batch_size={c['per_device_batch_size']} x {num_devices} devices = {micro_batch} "
+                      "is not a whole number of sequences")
+  micro_batch = int(micro_batch)
+  batch_axes = batch_mesh_axes(c["logical_axis_rules"])
+  batch_shards = math.prod(mesh[a] for a in batch_axes)
+  if micro_batch % batch_shards:
+    raise ConfigError(f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
+                      f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
+                      f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})")
+
+  run_name = c["run_name"] or datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
+  run_dir = os.path.join(c["base_output_directory"], run_name)
+  schedule_steps = c["steps"] if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
+  c.update(
+      run_name=run_name,
+      learning_rate_schedule_steps=schedule_steps,
+      num_devices=num_devices,
+      num_slices=slices,
+      process_count=process_count,
+      ici_mesh_shape=[ici[a] for a in MESH_AXES],
+      dcn_mesh_shape=[dcn[a] for a in MESH_AXES],
+      mesh_shape=[mesh[a] for a in MESH_AXES],
+      batch_mesh_axes=list(batch_axes),
+      # One optimizer step sees gradient_accumulation_steps microbatches of micro_batch_size each.
+      micro_batch_size=micro_batch,
+      global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],
+      run_dir=run_dir,
+      tensorboard_dir=os.path.join(run_dir, "tensorboard"),
+      checkpoint_dir=os.path.join(run_dir, "checkpoints"),
+      metrics_file=os.path.join(run_dir, "metrics.jsonl"),
+      num_params=parameter_count(c),
+  )
+  return c

@@ -1,0 +1,13 @@
+"""Errors MaxLite reports to the user as a single line (no traceback)."""
+
+
+class MaxLiteError(Exception):
+  """Base class: anything the user can fix by changing input."""
+
+
+class ConfigError(MaxLiteError):
+  """A config key, value or combination is invalid."""
+
+
+class InputError(MaxLiteError):
+  """A data file, tokenizer or other input is missing or unreadable."""

@@ -1,0 +1,32 @@
+"""Model FLOPs per training step, counted per matmul the way MaxText does.
+
+A matmul of [m, k] x [k, n] is 2*m*k*n FLOPs; training costs 3x the forward pass (forward,
+backward w.r.t. activations, backward w.r.t. weights). Causal attention only needs the lower
+triangle of the score matrix, so its two matmuls are counted at half of the dense cost.
+Rematerialisation is not counted: this is *model* FLOPs, the numerator of MFU.
+"""
+
+from __future__ import annotations
+
+from MaxLite.config import Config
+
+
+def training_flops_per_step(config: Config) -> dict[str, float]:
+  """FLOPs of one optimizer step over the whole global batch, split by where they are spent."""
+  tokens = config.global_batch_size_to_train_on * config.max_target_length
+  seq = config.max_target_length
+  emb, mlp, d = config.base_emb_dim, config.base_mlp_dim, config.head_dim
+  q, kv, layers = config.base_num_query_heads, config.base_num_kv_heads, config.base_num_decoder_layers
+  mlp_flops = 2 * tokens * emb * mlp * 3  # gate, up and down projections
+  qkv_flops = 2 * tokens * emb * d * (q + 2 * kv)
+  out_flops = 2 * tokens * q * d * emb
+  # QK^T and PV: 2 matmuls of 2*seq*d FLOPs per token per head, halved for the causal mask.
+  attention_flops = 2 * 2 * tokens * seq * q * d / 2
+  logits_flops = 2 * tokens * emb * config.vocab_size
+  weights = 3 * (layers * (mlp_flops + qkv_flops + out_flops) + logits_flops)
+  attention = 3 * layers * attention_flops
+  return {"weights": float(weights), "attention": float(attention), "total": float(weights + attention)}
+
+
+def tflops_per_device_per_step(config: Config) -> float:
+  return training_flops_per_step(config)["total"] / config.num_devices / 1e12

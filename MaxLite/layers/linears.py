@@ -1,0 +1,48 @@
+"""Dense projections whose kernels carry logical axis names."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from MaxLite.layers.quantities import DType
+
+
+def _normalize(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(a % ndim for a in axes)
+
+
+class DenseGeneral(nn.Module):
+  """y = x . W contracting `axis` of x with the leading dims of W (shape in_dims + features).
+
+  Written here rather than using flax's DenseGeneral because the kernel must be created in its
+  final multi-dimensional shape for logical partitioning and fan-in initialisation to line up.
+  """
+
+  features: int | Sequence[int]
+  logical_axes: Sequence[str]
+  axis: int | Sequence[int] = -1
+  dtype: DType = jnp.float32
+  weight_dtype: DType = jnp.float32
+  init_scale: float = 1.0
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    axis = _normalize(self.axis, x.ndim)
+    in_dims = tuple(x.shape[a] for a in axis)
+    kernel_shape = in_dims + features
+    n_in = len(in_dims)
+    init = nn.initializers.variance_scaling(
+        self.init_scale, "fan_in", "truncated_normal",
+        in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, len(kernel_shape))))
+    kernel = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.logical_axes)),
+                        kernel_shape, self.weight_dtype)
+    kernel = jnp.asarray(kernel, self.dtype)
+    x = jnp.asarray(x, self.dtype)
+    contract = (axis, tuple(range(n_in)))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ())))

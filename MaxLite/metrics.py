@@ -1,0 +1,52 @@
+"""Per-step metrics: a log line, metrics.jsonl and tensorboard scalars (process 0 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from MaxLite.config import Config
+
+
+class MetricsWriter:
+  """Writes rows to <run_dir>/metrics.jsonl and tensorboard; no-op on processes other than 0."""
+
+  def __init__(self, config: Config, is_primary: bool):
+    self._active = is_primary
+    self._tensorboard = None
+    self._jsonl = None
+    if not is_primary:
+      return
+    os.makedirs(config.run_dir, exist_ok=True)
+    self._jsonl = open(config.metrics_file, "a", encoding="utf-8")
+    if config.enable_tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._tensorboard = SummaryWriter(logdir=config.tensorboard_dir, flush_secs=30)
+
+  def write(self, row: dict[str, Any]) -> None:
+    if not self._active:
+      return
+    self._jsonl.write(json.dumps(row) + "\n")
+    self._jsonl.flush()
+    if self._tensorboard is not None:
+      step = row["step"]
+      for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)):
+          self._tensorboard.add_scalar(f"learning/{key}" if not key.startswith("eval") else f"eval/{key}",
+                                       value, step)
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+
+
+def log_line(row: dict[str, Any]) -> str:
+  parts = [f"step {row['step']:>6d}", f"loss {row['loss']:.4f}", f"lr {row['learning_rate']:.3e}",
+           f"grad_norm {row['grad_norm']:.3f}", f"step_time {row['step_time_s']:.3f}s",
+           f"tokens/s {row['tokens_per_s']:,.0f}", f"TFLOP/s/device {row['tflops_per_device']:.3f}"]
+  if "mfu" in row:
+    parts.append(f"MFU {100 * row['mfu']:.1f}%")
+  return " | ".join(parts)

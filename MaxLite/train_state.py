@@ -1,0 +1,62 @@
+"""Create the train state (params + optimizer state) directly sharded over the mesh."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+from jax.sharding import Mesh
+
+from MaxLite.config import Config
+from MaxLite.sharding import logical_to_sharding
+
+TrainState = train_state.TrainState
+
+
+def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
+  shape = (config.micro_batch_size, config.max_target_length)
+  ids = jnp.zeros(shape, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+  variables = model.init({"params": rng, "dropout": rng}, ids, positions, jnp.ones(shape, jnp.int32))
+  return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+
+
+def _unbox(tree: Any) -> Any:
+  """Strip logical-partitioning boxes without adding sharding constraints (shardings come from jit)."""
+  return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x, tree,
+                      is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh):
+  """(unboxed abstract state, logical PartitionSpecs, NamedShardings), all with the state's tree structure."""
+  init = functools.partial(_init_state, model, tx, config)
+  boxed = jax.eval_shape(init, jax.random.key(config.init_weights_seed))
+  logical = nn.get_partition_spec(boxed)
+  return _unbox(boxed), logical, logical_to_sharding(logical, mesh, config)
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, config: Config,
+                       mesh: Mesh) -> tuple[TrainState, Any]:
+  """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state."""
+  _, _, shardings = abstract_state(model, tx, config, mesh)
+  init = jax.jit(functools.partial(_init_state, model, tx, config), out_shardings=shardings)
+  state = _unbox(init(jax.random.key(config.init_weights_seed)))
+  return state, shardings
+
+
+def bytes_per_device(tree: Any) -> int:
+  """Bytes this tree occupies on the most-loaded device, measured from the live shards."""
+  per_device: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)
+
+
+def total_bytes(tree: Any) -> int:
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))

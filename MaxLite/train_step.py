@@ -1,0 +1,84 @@
+"""The loss and the jitted train/eval steps: pure functions of (state, batch)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from MaxLite.config import Config
+from MaxLite.optimizer import learning_rate_schedule
+from MaxLite.train_state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, z_loss_multiplier: float) -> tuple:
+  """Summed (not averaged) losses over real tokens, so microbatches add up to the full batch exactly."""
+  logits = apply_fn({"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"],
+                    rngs={"dropout": rng})
+  logits = logits.astype(jnp.float32)
+  mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  z_loss = z_loss_multiplier * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+  xent_sum, z_sum = jnp.sum(xent * mask), jnp.sum(z_loss * mask)
+  return xent_sum + z_sum, {"xent_sum": xent_sum, "z_sum": z_sum, "tokens": jnp.sum(mask)}
+
+
+def _microbatches(batch: Batch, n: int) -> Batch:
+  """[n*B, S] -> [n, B, S] such that each device's rows stay on that device (no resharding)."""
+  return {k: jnp.swapaxes(v.reshape(v.shape[0] // n, n, *v.shape[1:]), 0, 1) for k, v in batch.items()}
+
+
+def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) -> tuple[Any, dict]:
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  n = config.gradient_accumulation_steps
+  if n == 1:
+    (_, aux), grads = grad_fn(state.params, state.apply_fn, batch, rng, config.z_loss_multiplier)
+    return grads, aux
+
+  def accumulate(carry, micro):
+    grads_acc, aux_acc, i = carry
+    (_, aux), grads = grad_fn(state.params, state.apply_fn, micro, jax.random.fold_in(rng, i),
+                              config.z_loss_multiplier)
+    return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, aux_acc, aux), i + 1), None
+
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  aux0 = {"xent_sum": jnp.zeros(()), "z_sum": jnp.zeros(()), "tokens": jnp.zeros(())}
+  (grads, aux, _), _ = jax.lax.scan(accumulate, (zeros, aux0, 0), _microbatches(batch, n))
+  return grads, aux
+
+
+def train_step(state: TrainState, batch: Batch, *, config: Config) -> tuple[TrainState, dict]:
+  rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
+  grads, aux = _gradients(state, batch, rng, config)
+  tokens = jnp.maximum(aux["tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / tokens.astype(g.dtype), grads)
+  grad_norm = optax.global_norm(grads)
+  new_state = state.apply_gradients(grads=grads)
+  metrics = {
+      "loss": (aux["xent_sum"] + aux["z_sum"]) / tokens,
+      "z_loss": aux["z_sum"] / tokens,
+      "grad_norm": grad_norm,
+      "learning_rate": learning_rate_schedule(config)(state.step),
+      "tokens": aux["tokens"],
+  }
+  return new_state, metrics
+
+
+def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> dict:
+  _, aux = loss_sums(params, apply_fn, batch, jax.random.key(0), config.z_loss_multiplier)
+  return aux
+
+
+def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any):
+  return jax.jit(functools.partial(train_step, config=config), in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+def jit_eval_step(config: Config, apply_fn: Any, param_shardings: Any, batch_sharding: Any, replicated: Any):
+  return jax.jit(functools.partial(eval_step, apply_fn=apply_fn, config=config),
+                 in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)

@@ -1,0 +1,134 @@
+"""The training loop: wires config -> mesh -> state -> input -> jitted step -> metrics.
+
+The host never waits on the device for the step it just dispatched: metrics of step N are
+fetched after step N+1 has been queued, so logging costs no device idle time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax.linen import partitioning as nn_partitioning
+
+from MaxLite import flops, input_pipeline, sharding as sharding_lib
+from MaxLite.config import Config
+from MaxLite.errors import MaxLiteError
+from MaxLite.mesh import create_mesh, describe_mesh
+from absl import logging
+
+from MaxLite.metrics import MetricsWriter, log_line
+from MaxLite.model import Transformer
+from MaxLite.optimizer import create_optimizer
+from MaxLite.train_state import bytes_per_device, create_train_state
+from MaxLite.train_step import jit_eval_step, jit_train_step
+
+
+class NonFiniteLossError(MaxLiteError):
+  """Loss or gradient norm became NaN/Inf."""
+
+
+class _Profiler:
+  """jax.profiler trace of steps [first, first + count) into the tensorboard dir, when enabled."""
+
+  def __init__(self, config: Config):
+    self._on = config.profiler == "xplane" and jax.process_index() == 0
+    self._first, self._last = config.skip_first_n_steps_for_profiler, (
+        config.skip_first_n_steps_for_profiler + config.profiler_steps)
+    self._dir, self._active = config.tensorboard_dir, False
+
+  def before_step(self, step: int) -> None:
+    if self._on and step == self._first:
+      jax.profiler.start_trace(self._dir)
+      self._active = True
+    if self._active and step == self._last:
+      self.stop()
+
+  def stop(self) -> None:
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active = False
+
+
+def _evaluate(config: Config, mesh, eval_fn, params) -> float:
+  totals = {"xent_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
+  batches = input_pipeline.make_iterator(config, mesh, "eval")
+  for _ in range(config.eval_steps):
+    aux = jax.device_get(eval_fn(params, next(batches)))
+    for k in totals:
+      totals[k] += float(aux[k])
+  return totals["xent_sum"] / max(totals["tokens"], 1.0)
+
+
+def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[dict[str, Any]]:
+  """Train for config.steps steps; returns the metrics rows (also written to metrics.jsonl)."""
+  mesh = create_mesh(config, devices)
+  logging.info(describe_mesh(mesh))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    return _train_on_mesh(config, mesh)
+
+
+def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
+  model = Transformer(config, deterministic=config.dropout_rate == 0.0)
+  state, state_shardings = create_train_state(model, create_optimizer(config), config, mesh)
+  logging.info(f"memory per device: params {bytes_per_device(state.params) / 2**20:.1f} MiB, "
+      f"optimizer state {bytes_per_device(state.opt_state) / 2**20:.1f} MiB")
+  batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
+  step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
+  eval_fn = None
+  if config.eval_interval > 0:
+    eval_fn = jit_eval_step(config, Transformer(config).apply, state_shardings.params, batch_sharding, replicated)
+  batches = input_pipeline.make_iterator(config, mesh, "train")
+
+  writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
+  profiler = _Profiler(config)
+  tflops_per_device = flops.tflops_per_device_per_step(config)
+  tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
+  rows: list[dict[str, Any]] = []
+  pending = None
+  last_time = time.perf_counter()
+
+  def finish(step: int, metrics: Any) -> None:
+    nonlocal last_time
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    now = time.perf_counter()
+    step_time, last_time = now - last_time, now
+    if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+      raise NonFiniteLossError(f"step {step}: loss is {values['loss']} and grad_norm is {values['grad_norm']}; "
+                               "stopping (try a lower learning_rate or gradient_clipping_threshold)")
+    row = {"step": step, "loss": values["loss"], "learning_rate": values["learning_rate"],
+           "grad_norm": values["grad_norm"], "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+           "tflops_per_device": tflops_per_device / step_time}
+    if config.z_loss_multiplier:
+      row["z_loss"] = values["z_loss"]
+    if config.peak_tflops_per_device > 0:
+      row["mfu"] = row["tflops_per_device"] / config.peak_tflops_per_device
+    if step % config.log_period == 0 or step == config.steps:
+      logging.info(log_line(row))
+      writer.write(row)
+    rows.append(row)
+
+  try:
+    for step in range(1, config.steps + 1):
+      profiler.before_step(step)
+      state, metrics = step_fn(state, next(batches))
+      if pending is not None:
+        finish(*pending)
+      pending = (step, metrics)
+      if eval_fn is not None and (step % config.eval_interval == 0 or step == config.steps):
+        finish(*pending)
+        pending = None
+        eval_loss = _evaluate(config, mesh, eval_fn, state.params)
+        logging.info(f"step {step:>6d} | eval_loss {eval_loss:.4f}")
+        writer.write({"step": step, "eval_loss": eval_loss})
+        rows.append({"step": step, "eval_loss": eval_loss})
+        last_time = time.perf_counter()
+    if pending is not None:
+      finish(*pending)
+  finally:
+    profiler.stop()
+    writer.close()
+  return rows

@@ -1,0 +1,31 @@
+"""Test set-up: 8 simulated CPU devices (must be set before jax is imported anywhere)."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402  pylint: disable=wrong-import-position
+import pytest  # noqa: E402  pylint: disable=wrong-import-position
+
+from MaxLite.config import load_config  # noqa: E402  pylint: disable=wrong-import-position
+
+BASE_YML = os.path.join(REPO, "configs", "base.yml")
+
+
+def make_config(*overrides: str, num_devices: int = 1, **kw):
+  """Config for `num_devices` of the simulated devices; overrides are key=value strings."""
+  return load_config([BASE_YML, *overrides], num_devices=num_devices, num_slices=kw.pop("num_slices", None) or 1,
+                     process_count=1)
+
+
+def first_devices(n: int):
+  return jax.devices()[:n]
+
+
+@pytest.fixture
+def tmp_outputs(tmp_path):
+  return f"base_output_directory={tmp_path}"

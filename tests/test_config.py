@@ -1,0 +1,113 @@
+"""Config loading: inheritance, overlays, typed overrides, validation errors, derived values."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BASE_YML, REPO, make_config
+from MaxLite.config import available_models, load_config
+from MaxLite.errors import ConfigError
+
+
+def test_every_shipped_model_config_loads():
+  for name in available_models():
+    config = make_config(f"model_name={name}", num_devices=8)
+    assert config.model_name == name
+    assert config.num_params > 0
+  assert {"tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "mistral-7b"} <= set(
+      available_models())
+
+
+def test_known_parameter_counts():
+  # Published sizes: Llama 2 7B has 6.74B parameters, Llama 3 8B 8.03B, Llama 2 70B 68.98B.
+  assert abs(make_config("model_name=llama2-7b").num_params / 1e9 - 6.738) < 0.01
+  assert abs(make_config("model_name=llama3-8b").num_params / 1e9 - 8.030) < 0.01
+  assert abs(make_config("model_name=llama2-70b").num_params / 1e9 - 68.977) < 0.01
+
+
+def test_overrides_are_typed_from_defaults():
+  c = make_config("steps=7", "learning_rate=1e-4", "scan_layers=false", "per_device_batch_size=2",
+                  "mlp_activations=[silu, linear]", "run_name=abc")
+  assert (c.steps, c.learning_rate, c.scan_layers, c.per_device_batch_size) == (7, 1e-4, False, 2.0)
+  assert isinstance(c.learning_rate, float) and isinstance(c.steps, int)
+  assert c.mlp_activations == ("silu", "linear")
+  assert c.run_dir.endswith(os.path.join("outputs", "abc"))
+
+
+def test_model_overlay_then_command_line_wins():
+  c = make_config("model_name=tiny", "base_num_decoder_layers=3")
+  assert c.base_emb_dim == 64 and c.base_num_decoder_layers == 3
+
+
+def test_base_config_inheritance(tmp_path):
+  parent = tmp_path / "parent.yml"
+  parent.write_text(f"base_config: {BASE_YML}\nsteps: 11\nlearning_rate: 0.5\n")
+  child = tmp_path / "child.yml"
+  child.write_text("base_config: parent.yml\nsteps: 12\n")
+  c = load_config([str(child)], num_devices=1, num_slices=1, process_count=1)
+  assert (c.steps, c.learning_rate, c.warmup_steps_fraction) == (12, 0.5, 0.1)
+
+
+def test_config_is_frozen():
+  c = make_config()
+  with pytest.raises(AttributeError):
+    c.steps = 3
+  assert isinstance(c.logical_axis_rules, tuple)
+
+
+def test_mesh_fill_and_derived_values():
+  c = make_config("ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2", "per_device_batch_size=1",
+                  "gradient_accumulation_steps=3", num_devices=8)
+  assert c.mesh_shape == (1, 1, 4, 1, 2, 1)
+  assert c.micro_batch_size == 8 and c.global_batch_size_to_train_on == 24
+  assert c.batch_mesh_axes == ("data", "fsdp", "expert")
+
+
+@pytest.mark.parametrize("overrides, num_devices, fragment", [
+    (["stepz=3"], 1, "unknown config key 'stepz'"),
+    (["steps=abc"], 1, "config key 'steps' (from command line) expects int, got 'abc'"),
+    (["scan_layers=maybe"], 1, "'scan_layers'"),
+    (["ici_fsdp_parallelism=3"], 8, "ici_*_parallelism product is 3"),
+    (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], 8, "at most one ici_*_parallelism may be -1"),
+    (["per_device_batch_size=0.25"], 2, "not a whole number"),
+    (["per_device_batch_size=0.5", "ici_fsdp_parallelism=8"], 8, "not divisible by the 8 batch shards"),
+    (["model_name=tiny", "ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"], 8,
+     "base_num_kv_heads=2 is not divisible by tensor parallelism 4"),
+    (["base_num_query_heads=6", "base_num_kv_heads=4"], 1, "base_num_kv_heads=4 must divide base_num_query_heads=6"),
+    (["remat_policy=sometimes"], 1, "remat_policy='sometimes' is not one of"),
+    (["model_name=llama9"], 1, "unknown model_name 'llama9'"),
+    (["dtype=float16"], 1, "dtype='float16' is not one of"),
+    (["max_target_length=30", "ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"], 8,
+     "max_target_length=30 is not divisible by sequence parallelism 4"),
+])
+def test_bad_input_is_one_clear_error(overrides, num_devices, fragment):
+  with pytest.raises(ConfigError) as e:
+    make_config(*overrides, num_devices=num_devices)
+  assert fragment in str(e.value)
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["stepz=3"], "unknown config key 'stepz'"),
+    (["steps=abc"], "expects int"),
+    (["ici_fsdp_parallelism=3"], "ici_*_parallelism product is 3 (ici_fsdp_parallelism=3) but there are 1 devices"),
+    (["per_device_batch_size=0.5"], "not a whole number"),
+    (["base_num_query_heads=6", "base_num_kv_heads=4"], "must divide base_num_query_heads=6"),
+    (["remat_policy=sometimes"], "remat_policy"),
+    (["model_name=nope"], "unknown model_name 'nope'"),
+])
+def test_cli_bad_input_exits_with_one_line(args, fragment):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  proc = subprocess.run([sys.executable, "MaxLite/train.py", "configs/base.yml", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  assert "Traceback" not in proc.stderr
+  error_lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(error_lines) == 1 and fragment in error_lines[0], proc.stderr
+
+
+def test_missing_config_file_is_clear(tmp_path):
+  with pytest.raises(ConfigError, match="config file not found"):
+    load_config([str(tmp_path / "nope.yml")], num_devices=1, num_slices=1, process_count=1)
