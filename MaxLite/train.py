@@ -33,6 +33,9 @@ def run(argv: Sequence[str]) -> None:
   raw = config_lib.load_raw(argv)
   distributed.initialize(raw)
   config = config_lib.Config(derived.validate_and_derive(raw))
+  if config.jax_cache_dir:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
   logging.info("config:\n%s", summarize(config))
   from MaxLite.trainer import train  # pylint: disable=import-outside-toplevel
   train(config)
