@@ -56,13 +56,18 @@ def test_scan_and_unrolled_layers_give_the_same_loss_and_grads():
   assert jax.tree.structure(_init(unrolled, batch)) == jax.tree.structure(unstack_layers(params))
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
-                                    "save_dot_except_mlpwi"])
-def test_remat_policies_do_not_change_numbers(policy):
+@pytest.fixture(scope="module")
+def no_remat_reference():
   batch = _batch()
   reference = make_config("model_name=tiny", "remat_policy=none")
   params = _init(reference, batch)
-  loss_ref, grads_ref = _loss_and_grads(reference, params, batch)
+  return batch, params, _loss_and_grads(reference, params, batch)
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
+                                    "save_dot_except_mlpwi"])
+def test_remat_policies_do_not_change_numbers(policy, no_remat_reference):
+  batch, params, (loss_ref, grads_ref) = no_remat_reference
   loss, grads = _loss_and_grads(make_config("model_name=tiny", f"remat_policy={policy}"), params, batch)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
