@@ -117,3 +117,14 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
                        "gradient_clipping_threshold=0", "per_device_batch_size=2")
   with pytest.raises(NonFiniteLossError, match=r"step \d+: loss is \S+ and grad_norm is (nan|inf)"):
     train(config, first_devices(1))
+
+
+def test_eval_rows_are_logged(tmp_path):
+  config = make_config(*TINY, f"base_output_directory={tmp_path}", "run_name=ev", "per_device_batch_size=2",
+                       "steps=4", "eval_interval=2", "eval_steps=2")
+  rows = train(config, first_devices(1))
+  evals = [r for r in rows if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [2, 4]
+  assert all(np.isfinite(r["eval_loss"]) for r in evals)
+  written = (tmp_path / "ev" / "metrics.jsonl").read_text()
+  assert written.count("eval_loss") == 2
