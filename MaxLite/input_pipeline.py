@@ -6,6 +6,8 @@ Every input source (synthetic, grain) produces only the rows whose devices live 
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any, Iterator
 
 import jax
@@ -13,10 +15,36 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from MaxLite.config import Config
+from MaxLite.errors import ConfigError
 from MaxLite.data.synthetic import SyntheticIterator
 from MaxLite.sharding import batch_sharding
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _repo_relative(pattern: str) -> str:
+  """A relative path or glob that matches nothing from the cwd is looked up under the repo root,
+  so the shipped defaults work from any directory."""
+  if not pattern or os.path.isabs(pattern) or glob.glob(pattern):
+    return pattern
+  candidate = os.path.join(REPO_ROOT, pattern)
+  return candidate if glob.glob(candidate) else pattern
+
+
+def resolve_paths(patterns: str) -> str:
+  return ",".join(_repo_relative(p.strip()) for p in patterns.split(",")) if patterns else patterns
+
+
+def check_tokenizer(config: Config) -> None:
+  """vocab_size must cover every id the tokenizer can produce."""
+  if config.dataset_type != "grain":
+    return
+  from MaxLite.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  tokenizer = load_tokenizer(resolve_paths(config.tokenizer_path))
+  if config.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
+                      f"{tokenizer.vocab_size} ({config.tokenizer_path}); set vocab_size >= {tokenizer.vocab_size}")
 
 
 def process_rows(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
@@ -60,6 +88,11 @@ class GlobalBatchIterator:
   def set_state(self, state: Any) -> None:
     self._local.set_state(state)
 
+  def close(self) -> None:
+    close = getattr(self._local, "close", None)
+    if close is not None:
+      close()
+
 
 def _local_iterator(config: Config, split: str, start: int, stop: int, global_batch: int) -> Any:
   if config.dataset_type == "synthetic":
@@ -70,7 +103,7 @@ def _local_iterator(config: Config, split: str, start: int, stop: int, global_ba
   files = config.grain_train_files if split == "train" else config.grain_eval_files
   rows = stop - start
   return make_grain_iterator(
-      files, tokenizer_path=config.tokenizer_path, seq_len=config.max_target_length, batch_size=rows,
+      resolve_paths(files), tokenizer_path=resolve_paths(config.tokenizer_path), seq_len=config.max_target_length, batch_size=rows,
       shard_index=start // rows, shard_count=global_batch // rows, seed=config.data_shuffle_seed,
       add_bos=config.add_bos, add_eos=config.add_eos, shuffle=split == "train",
       num_epochs=None, worker_count=config.grain_worker_count)

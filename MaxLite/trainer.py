@@ -56,10 +56,13 @@ class _Profiler:
 def _evaluate(config: Config, mesh, eval_fn, params) -> float:
   totals = {"xent_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
   batches = input_pipeline.make_iterator(config, mesh, "eval")
-  for _ in range(config.eval_steps):
-    aux = jax.device_get(eval_fn(params, next(batches)))
-    for k in totals:
-      totals[k] += float(aux[k])
+  try:
+    for _ in range(config.eval_steps):
+      aux = jax.device_get(eval_fn(params, next(batches)))
+      for k in totals:
+        totals[k] += float(aux[k])
+  finally:
+    batches.close()
   return totals["xent_sum"] / max(totals["tokens"], 1.0)
 
 
@@ -72,6 +75,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[d
 
 
 def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
+  input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
   state, state_shardings = create_train_state(model, create_optimizer(config), config, mesh)
   logging.info(f"memory per device: params {bytes_per_device(state.params) / 2**20:.1f} MiB, "
@@ -79,7 +83,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
   eval_fn = None
-  if config.eval_interval > 0:
+  if config.eval_interval > 0 and (config.dataset_type == "synthetic" or config.grain_eval_files):
     eval_fn = jit_eval_step(config, Transformer(config).apply, state_shardings.params, batch_sharding, replicated)
   batches = input_pipeline.make_iterator(config, mesh, "train")
 
@@ -118,7 +122,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       if pending is not None:
         finish(*pending)
       pending = (step, metrics)
-      if eval_fn is not None and (step % config.eval_interval == 0 or step == config.steps):
+      if eval_fn is not None and step % config.eval_interval == 0:
         finish(*pending)
         pending = None
         eval_loss = _evaluate(config, mesh, eval_fn, state.params)
@@ -131,4 +135,5 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   finally:
     profiler.stop()
     writer.close()
+    batches.close()
   return rows

@@ -34,3 +34,17 @@ def test_train_command_synthetic_20_steps(tmp_path):
   assert abs(losses[-1].value - rows[-1]["loss"]) < 1e-5
   # The start-up summary prints the derived values.
   assert "global_batch_size_to_train_on = 4" in proc.stderr and "num_params" in proc.stderr
+
+
+def test_default_command_learns_the_shipped_corpus(tmp_path):
+  """configs/base.yml as shipped (grain over assets/corpus, sentencepiece), run from another directory."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  cmd = [sys.executable, os.path.join(REPO, "MaxLite", "train.py"), os.path.join(REPO, "configs", "base.yml"),
+         "steps=50", "eval_interval=50", "eval_steps=5", f"base_output_directory={tmp_path}", "run_name=default"]
+  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+  first_loss = rows[0]["loss"]
+  eval_loss = [r["eval_loss"] for r in rows if "eval_loss" in r]
+  print(f"loss at step 1: {first_loss:.3f}; eval loss after step 50: {eval_loss}")
+  assert len(eval_loss) == 1 and eval_loss[0] < first_loss - 2.0

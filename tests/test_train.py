@@ -121,7 +121,7 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
 
 def test_eval_rows_are_logged(tmp_path):
   config = make_config(*TINY, f"base_output_directory={tmp_path}", "run_name=ev", "per_device_batch_size=2",
-                       "steps=4", "eval_interval=2", "eval_steps=2")
+                       "steps=5", "eval_interval=2", "eval_steps=2")
   rows = train(config, first_devices(1))
   evals = [r for r in rows if "eval_loss" in r]
   assert [r["step"] for r in evals] == [2, 4]

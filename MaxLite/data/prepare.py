@@ -1,0 +1,226 @@
+"""Text / JSONL files -> ArrayRecord shards of documents (one UTF-8 text document per record).
+
+  python MaxLite/data/prepare.py --input 'data/*.jsonl' --format jsonl --output_dir out --num_shards 8
+
+Streams: files are read in bounded pieces and each document goes straight to a shard writer, so
+memory stays constant however large the input. Documents go round-robin to the train shards
+(deterministic); a document is held out for eval when a hash of its text falls below
+--eval_fraction, so the split does not depend on file order or sharding. Writes
+train-SSSSS-of-NNNNN.array_record and, when --eval_fraction > 0, eval-00000-of-00001.array_record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import IO, Iterator, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `MaxLite` importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from array_record.python.array_record_module import ArrayRecordWriter  # noqa: E402
+
+from MaxLite.errors import InputError  # noqa: E402
+
+# group_size:1 lets grain read any record without decoding its neighbours (random access shuffle).
+WRITER_OPTIONS = "group_size:1"
+_READ_CHUNK = 1 << 20  # longest piece of a line held at once
+
+
+def expand_globs(patterns: str, what: str = "--input") -> list[str]:
+  """Sorted, de-duplicated files matching comma-separated globs; InputError if none match."""
+  globs = [p.strip() for p in patterns.split(",") if p.strip()]
+  files = sorted({f for g in globs for f in glob.glob(os.path.expanduser(g)) if os.path.isfile(f)})
+  if not files:
+    raise InputError(f"{what}: no files match {patterns!r}")
+  return files
+
+
+def _open_text(path: str) -> IO[str]:
+  if path.endswith(".gz"):
+    return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+  return open(path, "r", encoding="utf-8", errors="replace")
+
+
+def _pieces(f: IO[str], limit: int = _READ_CHUNK) -> Iterator[str]:
+  """Lines of f, a line longer than `limit` arriving as several pieces (bounded memory)."""
+  while piece := f.readline(max(1, min(limit, _READ_CHUNK))):
+    yield piece
+
+
+def text_documents(path: str, split_by: str = "paragraph", min_doc_chars: int = 0,
+                   max_doc_chars: int = 1_000_000) -> Iterator[str]:
+  """Documents of a text file: each non-blank line, blank-line separated paragraphs (adjacent ones
+  merged until at least min_doc_chars), or the whole file; any of them cut at max_doc_chars."""
+  buf: list[str] = []
+  size = 0
+
+  def flush() -> Iterator[str]:
+    nonlocal buf, size
+    doc = "".join(buf).strip("\n")
+    buf, size = [], 0
+    if doc.strip():
+      yield doc
+
+  with _open_text(path) as f:
+    for piece in _pieces(f, max_doc_chars):
+      if split_by == "line":
+        buf.append(piece)
+        size += len(piece)
+        if piece.endswith("\n") or size >= max_doc_chars:
+          yield from flush()
+        continue
+      blank = not piece.strip()
+      if split_by == "paragraph" and blank and size >= min_doc_chars:
+        yield from flush()
+        continue
+      if blank and not buf:
+        continue
+      buf.append(piece)
+      size += len(piece)
+      if size >= max_doc_chars:
+        yield from flush()
+  yield from flush()
+
+
+def jsonl_documents(path: str, text_field: str, on_missing_field: str, skipped: dict[str, int]) -> Iterator[str]:
+  """The `text_field` string of each JSON line. A line without it (or not a JSON object) is
+  counted in skipped['missing_field'] or, with on_missing_field='fail', raises naming file:line."""
+  with _open_text(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        obj, problem = None, f"invalid JSON ({e.msg})"
+      else:
+        problem = f"missing string field {text_field!r}"
+      text = obj.get(text_field) if isinstance(obj, dict) else None
+      if not isinstance(text, str):
+        if on_missing_field == "fail":
+          raise InputError(f"{path}:{line_no}: {problem}")
+        skipped["missing_field"] += 1
+        continue
+      if not text.strip():
+        skipped["empty"] += 1
+        continue
+      yield text
+
+
+class ShardWriters:
+  """N ArrayRecord writers named prefix-SSSSS-of-NNNNN.array_record, filled round-robin."""
+
+  def __init__(self, output_dir: str, prefix: str, num_shards: int):
+    self.paths = [os.path.join(output_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.array_record")
+                  for i in range(num_shards)]
+    self._writers = [ArrayRecordWriter(p, WRITER_OPTIONS) for p in self.paths]
+    self.documents = 0
+    self.bytes = 0
+
+  def write(self, record: bytes) -> None:
+    self._writers[self.documents % len(self._writers)].write(record)
+    self.documents += 1
+    self.bytes += len(record)
+
+  def close(self) -> None:
+    for w in self._writers:
+      w.close()
+
+
+def _is_eval(record: bytes, eval_fraction: float) -> bool:
+  h = int.from_bytes(hashlib.blake2b(record, digest_size=8).digest(), "little")
+  return h < eval_fraction * 2.0**64
+
+
+def _existing_shards(output_dir: str) -> list[str]:
+  return sorted(glob.glob(os.path.join(output_dir, "train-*-of-*.array_record")) +
+                glob.glob(os.path.join(output_dir, "eval-*-of-*.array_record")))
+
+
+def prepare(input_glob: str, output_dir: str, num_shards: int, *, fmt: str = "text", text_field: str = "text",
+            on_missing_field: str = "skip", eval_fraction: float = 0.02, split_by: str = "paragraph",
+            min_doc_chars: int = 0, max_doc_chars: int = 1_000_000, overwrite: bool = False,
+            progress: Optional[IO[str]] = None) -> dict:
+  """Converts the files matching `input_glob` into shards in `output_dir`; returns the summary."""
+  if num_shards < 1:
+    raise InputError(f"--num_shards must be >= 1, got {num_shards}")
+  if not 0.0 <= eval_fraction < 1.0:
+    raise InputError(f"--eval_fraction must be in [0, 1), got {eval_fraction}")
+  files = expand_globs(input_glob)
+  os.makedirs(output_dir, exist_ok=True)
+  stale = _existing_shards(output_dir)
+  if stale and not overwrite:
+    raise InputError(f"--output_dir {output_dir} already holds shards ({os.path.basename(stale[0])}, ...);"
+                     " pass --overwrite to replace them")
+  for path in stale:
+    os.remove(path)
+  skipped = {"missing_field": 0, "empty": 0}
+  train = ShardWriters(output_dir, "train", num_shards)
+  evals = ShardWriters(output_dir, "eval", 1) if eval_fraction > 0 else None
+  start = last_report = time.time()
+  try:
+    for file_no, path in enumerate(files, 1):
+      docs = (jsonl_documents(path, text_field, on_missing_field, skipped) if fmt == "jsonl" else
+              text_documents(path, split_by, min_doc_chars, max_doc_chars))
+      for doc in docs:
+        record = doc.encode("utf-8")
+        (evals if evals is not None and _is_eval(record, eval_fraction) else train).write(record)
+        if progress is not None and time.time() - last_report > 2.0:
+          last_report = time.time()
+          done = train.documents + (evals.documents if evals else 0)
+          print(f"prepare: file {file_no}/{len(files)}, {done:,} documents, "
+                f"{(train.bytes + (evals.bytes if evals else 0)) / 1e6:.1f} MB", file=progress, flush=True)
+  finally:
+    train.close()
+    if evals is not None:
+      evals.close()
+  return {"files": len(files), "train_documents": train.documents, "train_bytes": train.bytes,
+          "train_shards": train.paths, "eval_documents": evals.documents if evals else 0,
+          "eval_bytes": evals.bytes if evals else 0, "eval_shards": evals.paths if evals else [],
+          "skipped": skipped, "seconds": round(time.time() - start, 2)}
+
+
+def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--input", required=True, help="glob(s), comma-separated, of .txt/.jsonl files (.gz ok)")
+  p.add_argument("--output_dir", required=True)
+  p.add_argument("--num_shards", type=int, default=8, help="train shards")
+  p.add_argument("--format", choices=("text", "jsonl"), default="text")
+  p.add_argument("--text_field", default="text", help="JSONL: key holding the document text")
+  p.add_argument("--on_missing_field", choices=("skip", "fail"), default="skip",
+                 help="JSONL line without the text field (or not JSON): count and skip it, or stop")
+  p.add_argument("--eval_fraction", type=float, default=0.02, help="share of documents held out for eval")
+  p.add_argument("--split_by", choices=("paragraph", "file", "line"), default="paragraph",
+                 help="text: what one document is")
+  p.add_argument("--min_doc_chars", type=int, default=0, help="paragraph: merge adjacent paragraphs up to this")
+  p.add_argument("--max_doc_chars", type=int, default=1_000_000, help="cut longer documents")
+  p.add_argument("--overwrite", action="store_true", help="replace shards already in --output_dir")
+  return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = _parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    s = prepare(args.input, args.output_dir, args.num_shards, fmt=args.format, text_field=args.text_field,
+                on_missing_field=args.on_missing_field, eval_fraction=args.eval_fraction,
+                split_by=args.split_by, min_doc_chars=args.min_doc_chars, max_doc_chars=args.max_doc_chars,
+                overwrite=args.overwrite, progress=sys.stderr)
+  except (InputError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"prepare: {s['files']} files -> {s['train_documents']:,} train documents ({s['train_bytes']:,} bytes) "
+        f"in {len(s['train_shards'])} shards, {s['eval_documents']:,} eval documents ({s['eval_bytes']:,} bytes) "
+        f"in {len(s['eval_shards'])} shard; skipped {s['skipped']['missing_field']} missing-field, "
+        f"{s['skipped']['empty']} empty; {s['seconds']} s -> {args.output_dir}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,116 @@
+"""Trains a sentencepiece tokenizer on ArrayRecord shards (from prepare.py) or plain text files.
+
+  python MaxLite/data/train_tokenizer.py --input 'assets/corpus/train-*.array_record' \
+      --model_prefix assets/tokenizer/maxlite_sp8k --vocab_size 8192
+
+Text is streamed to the trainer one line at a time (sentencepiece's sentence_iterator) and the
+trainer keeps at most --input_sentence_size of them (a uniform sample), so memory is bounded
+whatever the input size. Ids follow the Llama convention: unk=0, bos=1, eos=2, no pad piece
+(padding is segmentation 0 in the batch). byte_fallback makes every UTF-8 string encodable;
+normalization is off and whitespace kept as is so that decode(encode(text)) == text, code
+indentation included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Iterator, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `MaxLite` importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import sentencepiece as spm  # noqa: E402
+from array_record.python.array_record_module import ArrayRecordReader  # noqa: E402
+
+from MaxLite.data.prepare import expand_globs  # noqa: E402
+from MaxLite.errors import InputError  # noqa: E402
+
+# sentencepiece silently drops longer "sentences"; lines above this are cut into pieces.
+_MAX_SENTENCE_BYTES = 4096
+_RECORDS_PER_READ = 256
+# Printable ASCII always gets its own piece, however rare in the corpus (else e.g. '&' or '~' would
+# fall back to byte tokens); other rare characters still fall back to bytes.
+_REQUIRED_CHARS = "".join(chr(c) for c in range(33, 127))
+
+
+def _documents(path: str) -> Iterator[str]:
+  if path.endswith(".array_record"):
+    try:
+      reader = ArrayRecordReader(path)
+      n = reader.num_records()
+    except Exception as e:  # pylint: disable=broad-except  (the C++ reader raises plain RuntimeError)
+      raise InputError(f"--input: not a readable ArrayRecord file: {path} ({str(e).splitlines()[0]})") from None
+    try:
+      for start in range(0, n, _RECORDS_PER_READ):  # bounded batches, never read_all()
+        for record in reader.read(list(range(start, min(n, start + _RECORDS_PER_READ)))):
+          yield record.decode("utf-8", errors="replace")
+    finally:
+      reader.close()
+  else:
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+      while piece := f.readline(1 << 20):
+        yield piece
+
+
+def sentences(files: Sequence[str]) -> Iterator[str]:
+  """Non-blank lines of every document, each at most _MAX_SENTENCE_BYTES UTF-8 bytes."""
+  for path in files:
+    for doc in _documents(path):
+      for line in doc.splitlines():
+        if not line.strip():
+          continue
+        data = line.encode("utf-8")
+        for i in range(0, len(data), _MAX_SENTENCE_BYTES):
+          yield data[i:i + _MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
+
+
+def train_tokenizer(input_glob: str, model_prefix: str, vocab_size: int = 8192, *, model_type: str = "bpe",
+                    input_sentence_size: int = 2_000_000, character_coverage: float = 0.9995, seed: int = 0,
+                    num_threads: Optional[int] = None) -> str:
+  """Trains and writes `<model_prefix>.model` (and .vocab); returns the .model path."""
+  files = expand_globs(input_glob, "--input")
+  min_vocab = 256 + 3 + len(_REQUIRED_CHARS) + 1  # byte pieces, unk/bos/eos, required chars, one merge
+  if vocab_size < min_vocab:
+    raise InputError(f"--vocab_size must be >= {min_vocab} (byte pieces + specials + ASCII), got {vocab_size}")
+  os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+  spm.set_random_generator_seed(seed)  # the sentence sample is then reproducible
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=sentences(files), model_prefix=model_prefix, vocab_size=vocab_size,
+      model_type=model_type, character_coverage=character_coverage, required_chars=_REQUIRED_CHARS, byte_fallback=True,
+      unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+      input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
+      max_sentence_length=_MAX_SENTENCE_BYTES * 4,
+      normalization_rule_name="identity", remove_extra_whitespaces=False,
+      allow_whitespace_only_pieces=True, split_digits=True,
+      num_threads=num_threads or os.cpu_count() or 1, minloglevel=2)
+  return model_prefix + ".model"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--input", required=True, help="glob(s), comma-separated: .array_record shards or text files")
+  p.add_argument("--model_prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+  p.add_argument("--vocab_size", type=int, default=8192)
+  p.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe")
+  p.add_argument("--input_sentence_size", type=int, default=2_000_000, help="max lines sampled for training")
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, model_type=args.model_type,
+                           input_sentence_size=args.input_sentence_size, seed=args.seed)
+  except InputError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except RuntimeError as e:  # sentencepiece's own complaints, e.g. a vocabulary too large for the text
+    print(f"error: sentencepiece: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+    return 2
+  sp = spm.SentencePieceProcessor(model_file=path)
+  print(f"train_tokenizer: wrote {path} (vocab {sp.get_piece_size()}, unk={sp.unk_id()} bos={sp.bos_id()} "
+        f"eos={sp.eos_id()})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

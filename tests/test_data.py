@@ -1,0 +1,327 @@
+"""Real-data input layer: packing, the prep and tokenizer tools, the grain pipeline, shipped assets."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader
+
+from MaxLite.data import prepare as prep
+from MaxLite.data import train_tokenizer as tt
+from MaxLite.data.grain_pipeline import make_grain_iterator, resolve_files
+from MaxLite.data.packing import ROW_KEYS, StreamingPacker, pack_documents
+from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.errors import InputError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model")
+CORPUS = os.path.join(REPO, "assets", "corpus")
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of liquor "
+         "and jugs near the river bank every morning before noon").split()
+
+
+def _records(paths):
+  out = []
+  for p in sorted(paths):
+    r = ArrayRecordReader(p)
+    out += [x.decode() for x in r.read_all()]
+    r.close()
+  return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """150 distinctive one-line documents (some longer than a row) in 3 train shards via prepare()."""
+  d = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  lines = [f"record {i:04d} " + " ".join(rng.choice(WORDS, size=int(rng.integers(2, 25 if i % 10 else 120))))
+           for i in range(150)]
+  (d / "docs.txt").write_text("\n".join(lines) + "\n")
+  summary = prep.prepare(str(d / "*.txt"), str(d / "out"), 3, split_by="line", eval_fraction=0.0)
+  assert summary["train_documents"] == 150 and summary["eval_documents"] == 0
+  return str(d / "out" / "train-*.array_record"), lines
+
+
+def _iter(files, **kw):
+  args = dict(tokenizer_path=TOKENIZER, seq_len=64, batch_size=4, shard_index=0, shard_count=1, seed=7,
+              add_bos=True, add_eos=True)
+  args.update(kw)
+  return make_grain_iterator(files, **args)
+
+
+def _documents_in_stream(it, tok):
+  """Decoded documents in stream order: non-padding inputs, cut at BOS (add_bos=True, add_eos=True)."""
+  inputs, targets = [], []
+  for batch in it:
+    mask = batch["inputs_segmentation"] > 0
+    assert np.array_equal(mask, batch["targets_segmentation"] > 0)
+    inputs += list(batch["inputs"][mask])  # row-major = stream order
+    targets += list(batch["targets"][mask])
+  # Each document contributes [BOS, text...] to inputs and [text..., EOS] to targets.
+  assert inputs[0] == tok.bos_id and targets[-1] == tok.eos_id
+  assert np.array_equal(np.array(inputs[1:]), np.where(np.array(targets[:-1]) == tok.eos_id, tok.bos_id,
+                                                       np.array(targets[:-1])))
+  docs, cur = [], None
+  for t in inputs:
+    if t == tok.bos_id:
+      if cur is not None:
+        docs.append(tok.decode(cur))
+      cur = []
+    else:
+      cur.append(t)
+  docs.append(tok.decode(cur))
+  return docs
+
+
+# ------------------------------------------------------------------------------------------ packing
+
+def test_pack_known_documents_every_field():
+  # pairs: [1,2,3] -> 2, [4..8] -> 4 (split across rows), [9] -> none (dropped), [10,11] -> 1.
+  out = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]], seq_len=4)
+  expect = {
+      "inputs": [[1, 2, 4, 5], [6, 7, 10, 0]],
+      "targets": [[2, 3, 5, 6], [7, 8, 11, 0]],
+      "inputs_position": [[0, 1, 0, 1], [0, 1, 0, 0]],
+      "inputs_segmentation": [[1, 1, 2, 2], [1, 1, 2, 0]],
+      "targets_segmentation": [[1, 1, 2, 2], [1, 1, 2, 0]],
+  }
+  assert set(out) == set(ROW_KEYS)
+  for k, v in expect.items():
+    assert out[k].dtype == np.int32
+    np.testing.assert_array_equal(out[k], np.array(v, np.int32), err_msg=k)
+
+
+def test_pack_long_document_split_into_chunks_no_token_dropped():
+  doc = list(range(100, 123))  # 22 pairs into rows of 5: 4 full rows + 2 pairs
+  out = pack_documents([doc], seq_len=5)
+  assert out["inputs"].shape == (5, 5)
+  real = out["inputs_segmentation"] > 0
+  np.testing.assert_array_equal(out["inputs"][real], doc[:-1])
+  np.testing.assert_array_equal(out["targets"][real], doc[1:])
+  np.testing.assert_array_equal(out["inputs_position"][:4], np.tile(np.arange(5), (4, 1)))
+  np.testing.assert_array_equal(out["inputs_segmentation"][4], [1, 1, 0, 0, 0])
+
+
+def test_pack_random_documents_invariants():
+  rng = np.random.default_rng(1)
+  docs = [rng.integers(3, 1000, size=int(rng.integers(0, 40))).tolist() for _ in range(200)]
+  out = pack_documents(docs, seq_len=16)
+  pairs_in = [t for d in docs for t in d[:-1]]
+  pairs_tg = [t for d in docs for t in d[1:]]
+  real = out["inputs_segmentation"] > 0
+  np.testing.assert_array_equal(out["inputs"][real], pairs_in)
+  np.testing.assert_array_equal(out["targets"][real], pairs_tg)
+  assert real[:-1].all()  # only the last row may hold padding
+  for seg, pos in zip(out["inputs_segmentation"], out["inputs_position"]):
+    starts = np.flatnonzero(np.diff(np.concatenate([[0], seg])) != 0)
+    for s in starts:  # each segment: ids 1, 2, ... and positions 0, 1, ...
+      if seg[s]:
+        n = int((seg == seg[s]).sum())
+        np.testing.assert_array_equal(pos[s:s + n], np.arange(n))
+    assert list(np.unique(seg[seg > 0])) == list(range(1, seg.max() + 1))
+
+
+def test_streaming_packer_restore_continues_identically():
+  docs = [list(range(i, i + 30)) for i in range(0, 300, 30)]
+  full = pack_documents(docs, seq_len=8)
+  it = iter(docs)
+  p = StreamingPacker(8)
+  pulled = []
+  pull = lambda: pulled.append(d := next(it, None)) or d  # noqa: E731
+  for _ in range(5):
+    p.next_row(pull)
+  assert p.has_pending and p.offset > 0
+  q = StreamingPacker(8)
+  q.restore(pulled[-1], p.offset)  # the checkpoint: which document + offset
+  rest = iter(docs[len(pulled):])
+  rows = []
+  while (row := q.next_row(lambda: next(rest, None))) is not None:
+    rows.append(row)
+  for k in ROW_KEYS:
+    np.testing.assert_array_equal(np.stack([r[k] for r in rows]), full[k][5:], err_msg=k)
+
+
+# ------------------------------------------------------------------------------------------ prepare
+
+def test_prepare_text_split_modes(tmp_path):
+  f = tmp_path / "a.txt"
+  f.write_text("para one line 1\nline 2\n\n\npara two\n\nthree\n")
+  docs = lambda mode, **kw: list(prep.text_documents(str(f), mode, **kw))  # noqa: E731
+  assert docs("paragraph") == ["para one line 1\nline 2", "para two", "three"]
+  assert docs("paragraph", min_doc_chars=20) == ["para one line 1\nline 2", "para two\n\nthree"]
+  assert docs("line") == ["para one line 1", "line 2", "para two", "three"]
+  assert docs("file") == ["para one line 1\nline 2\n\n\npara two\n\nthree"]
+  assert docs("file", max_doc_chars=10) == ["para one l", "ine 1\nline 2", "para two", "three"]  # cut, then trimmed
+
+
+def test_prepare_jsonl_skip_counts_and_eval_split(tmp_path):
+  lines = [json.dumps({"text": f"document number {i}"}) for i in range(200)]
+  lines[3] = json.dumps({"body": "no text field"})
+  lines[50] = "{not json"
+  lines[77] = json.dumps({"text": "   "})
+  (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+  s = prep.prepare(str(tmp_path / "*.jsonl"), str(tmp_path / "out"), 2, fmt="jsonl", eval_fraction=0.1)
+  assert s["skipped"] == {"missing_field": 2, "empty": 1}
+  assert s["train_documents"] + s["eval_documents"] == 197 and 5 <= s["eval_documents"] <= 40
+  train = _records(s["train_shards"])
+  evals = _records(s["eval_shards"])
+  assert len(s["train_shards"]) == 2 and sorted(train + evals) == sorted(
+      f"document number {i}" for i in range(200) if i not in (3, 50, 77))
+  with pytest.raises(InputError, match="already holds shards"):
+    prep.prepare(str(tmp_path / "*.jsonl"), str(tmp_path / "out"), 2, fmt="jsonl")
+
+
+def test_prepare_jsonl_missing_field_fails_naming_file_and_line(tmp_path):
+  (tmp_path / "in.jsonl").write_text('{"text": "ok"}\n{"title": "x"}\n')
+  with pytest.raises(InputError, match=r"in\.jsonl:2: missing string field 'text'"):
+    prep.prepare(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), 1, fmt="jsonl", on_missing_field="fail")
+
+
+def test_prepare_cli_errors_are_one_line_exit_2(tmp_path, capsys):
+  assert prep.main(["--input", str(tmp_path / "nothing-*.txt"), "--output_dir", str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --input: no files match") and err.count("\n") == 1
+  (tmp_path / "in.jsonl").write_text('{"a": 1}\n')
+  rc = prep.main(["--input", str(tmp_path / "in.jsonl"), "--output_dir", str(tmp_path / "o"), "--format", "jsonl",
+                  "--on_missing_field", "fail"])
+  err = capsys.readouterr().err
+  assert rc == 2 and err.strip().endswith("in.jsonl:1: missing string field 'text'") and err.count("\n") == 1
+
+
+def test_prepare_script_runs_standalone(tmp_path):
+  (tmp_path / "a.txt").write_text("hello world\n\nsecond paragraph\n")
+  script = os.path.join(REPO, "MaxLite", "data", "prepare.py")
+  ok = subprocess.run([sys.executable, script, "--input", str(tmp_path / "a.txt"), "--output_dir",
+                       str(tmp_path / "o"), "--num_shards", "2", "--eval_fraction", "0"], capture_output=True, text=True)
+  assert ok.returncode == 0, ok.stderr
+  assert "2 train documents" in ok.stdout and len(glob.glob(str(tmp_path / "o" / "train-*-of-00002.array_record"))) == 2
+  bad = subprocess.run([sys.executable, script, "--input", str(tmp_path / "none*"), "--output_dir", str(tmp_path)],
+                       capture_output=True, text=True)
+  assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+
+def test_train_tokenizer_tool(tmp_path, capsys):
+  prefix = str(tmp_path / "tok" / "sp")
+  rc = tt.main(["--input", os.path.join(CORPUS, "eval-*.array_record"), "--model_prefix", prefix,
+                "--vocab_size", "600"])
+  assert rc == 0, capsys.readouterr().err
+  tok = load_tokenizer(prefix + ".model")
+  assert (tok.vocab_size, tok._sp.unk_id(), tok.bos_id, tok.eos_id) == (600, 0, 1, 2)
+  text = "Any text\tencodes:  ünïcødé ✓ 😀\n  indented"
+  assert tok.decode(tok.encode(text)) == text
+  assert tt.main(["--input", str(tmp_path / "none*"), "--model_prefix", prefix]) == 2
+  assert "error: --input: no files match" in capsys.readouterr().err
+
+
+def test_missing_tokenizer_file_is_clear():
+  with pytest.raises(InputError, match=r"^tokenizer_path: file not found: '/nonexistent/sp.model'$"):
+    load_tokenizer("/nonexistent/sp.model")
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+
+def test_batches_follow_contract(corpus):
+  files, _ = corpus
+  b = next(_iter(files, batch_size=3, seq_len=32))
+  assert set(b) == set(ROW_KEYS)
+  for k in ROW_KEYS:
+    assert b[k].shape == (3, 32) and b[k].dtype == np.int32, k
+  np.testing.assert_array_equal(b["targets_segmentation"], b["inputs_segmentation"])
+  np.testing.assert_array_equal(b["inputs"][:, 1:][b["inputs_segmentation"][:, 1:] == b["inputs_segmentation"][:, :-1]],
+                                b["targets"][:, :-1][b["inputs_segmentation"][:, 1:] == b["inputs_segmentation"][:, :-1]])
+
+
+def test_shards_partition_records_once_per_epoch(corpus):
+  files, lines = corpus
+  tok = load_tokenizer(TOKENIZER)
+  records = _records(glob.glob(files))
+  assert sorted(records) == sorted(lines)
+  seen = []
+  for i in range(2):
+    docs = _documents_in_stream(_iter(files, shard_index=i, shard_count=2, num_epochs=1), tok)
+    assert sorted(docs) == sorted(records[i::2])  # exactly this shard's records, each once
+    assert docs != records[i::2]  # shuffled
+    seen += docs
+  assert sorted(seen) == sorted(lines)
+  one = _documents_in_stream(_iter(files, shard_count=1, num_epochs=1), tok)
+  assert sorted(one) == sorted(lines) and one == _documents_in_stream(_iter(files, num_epochs=1), tok)
+  two = _documents_in_stream(_iter(files, num_epochs=2, seed=3), tok)
+  assert sorted(two) == sorted(lines * 2) and two[:150] != two[150:]  # new order each epoch
+  plain = _documents_in_stream(_iter(files, num_epochs=1, shuffle=False), tok)
+  assert plain == records
+
+
+@pytest.mark.parametrize("shard_index,shard_count", [(0, 1), (1, 2)])
+def test_resume_continues_with_exactly_the_next_batch(corpus, shard_index, shard_count):
+  files, _ = corpus
+  it = _iter(files, shard_index=shard_index, shard_count=shard_count)  # forever: crosses epochs
+  for _ in range(30):
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))  # small, JSON-able: indices only
+  assert len(json.dumps(state)) < 200
+  expect = [next(it) for _ in range(8)]
+  fresh = _iter(files, shard_index=shard_index, shard_count=shard_count)
+  fresh.set_state(state)
+  for a, b in zip(expect, [next(fresh) for _ in range(8)]):
+    for k in ROW_KEYS:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_finite_epoch_pads_last_batch_then_stops(corpus):
+  files, _ = corpus
+  rows = [b for b in _iter(files, num_epochs=1, batch_size=1, seq_len=128)]
+  n = len(rows)
+  flat = np.concatenate([r["inputs_segmentation"][0] for r in rows]) > 0
+  k = int(flat.sum())  # real tokens form a prefix: padding only at the very end
+  assert n > 3 and 0 < k < flat.size and flat[:k].all()
+  batches = list(_iter(files, num_epochs=1, batch_size=n - 1, seq_len=128))
+  assert len(batches) == 2 and batches[1]["inputs"].shape == (n - 1, 128)
+  assert not batches[1]["inputs_segmentation"][1:].any()  # rows past the data: pure padding
+  for k in ROW_KEYS:
+    np.testing.assert_array_equal(np.concatenate([b[k] for b in batches])[:n], np.concatenate([r[k] for r in rows]))
+
+
+def test_empty_glob_is_clear(corpus):
+  with pytest.raises(InputError, match=r"data files .*no files match '/nope/\*\.array_record'"):
+    _iter("/nope/*.array_record")
+
+
+def test_corrupt_file_names_the_file(corpus, tmp_path):
+  files, _ = corpus
+  bad = tmp_path / "bad-00000.array_record"
+  bad.write_bytes(b"this is not an array record file" * 100)
+  with pytest.raises(InputError, match=f"not a readable ArrayRecord file: {bad}") as e:
+    _iter(f"{files},{bad}")
+  assert "\n" not in str(e.value)
+  good = sorted(glob.glob(files))[0]
+  truncated = tmp_path / "trunc.array_record"
+  truncated.write_bytes(open(good, "rb").read()[:3000])
+  with pytest.raises(InputError, match=f"not a readable ArrayRecord file: {truncated}"):
+    _iter(str(truncated))
+
+
+def test_missing_tokenizer_in_pipeline(corpus):
+  with pytest.raises(InputError, match="tokenizer_path: file not found"):
+    _iter(corpus[0], tokenizer_path="missing.model")
+
+
+# ------------------------------------------------------------------------------------------ shipped assets
+
+def test_shipped_assets_exist_and_load():
+  tok = load_tokenizer(TOKENIZER)
+  assert tok.vocab_size == 8192 and (tok._sp.unk_id(), tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, -1)
+  assert os.path.isfile(os.path.join(CORPUS, "SOURCE.md"))
+  train = resolve_files(os.path.join(CORPUS, "train-*.array_record"))
+  evals = resolve_files(os.path.join(CORPUS, "eval-*.array_record"))
+  assert len(train) >= 2 and all(n > 100 for _, n in train) and len(evals) == 1 and evals[0][1] > 20
+  text = _records([evals[0][0]])[0]
+  assert tok.decode(tok.encode(text)) == text
+  b = next(make_grain_iterator(os.path.join(CORPUS, "train-*.array_record"), tokenizer_path=TOKENIZER, seq_len=256,
+                               batch_size=2, shard_index=0, shard_count=1, seed=0, add_bos=True, add_eos=True))
+  assert b["inputs"].shape == (2, 256) and (b["inputs_segmentation"] > 0).all() and b["inputs"].max() < 8192
