@@ -85,7 +85,7 @@ def _check_choices(c: dict[str, Any]) -> None:
 def _check_positive(c: dict[str, Any]) -> None:
   for key in ("steps", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
               "base_num_decoder_layers", "vocab_size", "max_target_length", "gradient_accumulation_steps",
-              "log_period", "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps"):
+              "log_period", "checkpoint_period", "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps"):
     if c[key] <= 0:
       raise ConfigError(f"{key} must be positive, got {c[key]}")
   if c["per_device_batch_size"] <= 0:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import flops, input_pipeline, sharding as sharding_lib
+from MaxLite import checkpointing, flops, input_pipeline, sharding as sharding_lib
 from MaxLite.config import Config
 from MaxLite.errors import MaxLiteError
 from MaxLite.mesh import create_mesh, describe_mesh
@@ -23,7 +23,7 @@ from absl import logging
 from MaxLite.metrics import MetricsWriter, log_line
 from MaxLite.model import Transformer
 from MaxLite.optimizer import create_optimizer
-from MaxLite.train_state import bytes_per_device, create_train_state
+from MaxLite.train_state import abstract_state, bytes_per_device, create_train_state
 from MaxLite.train_step import jit_eval_step, jit_train_step
 
 
@@ -77,7 +77,19 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[d
 def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
-  state, state_shardings = create_train_state(model, create_optimizer(config), config, mesh)
+  tx = create_optimizer(config)
+  manager = checkpointing.create_manager(config)
+  batches = input_pipeline.make_iterator(config, mesh, "train")
+  restored = None
+  if manager is not None:
+    abstract, _, shardings = abstract_state(model, tx, config, mesh)
+    restored = checkpointing.restore_latest(manager, abstract, shardings, batches)
+  if restored is None:
+    state, state_shardings = create_train_state(model, tx, config, mesh)
+    start_step = 0
+  else:
+    (state, start_step), state_shardings = restored, shardings
+    logging.info("resumed from checkpoint at step %d in %s", start_step, config.checkpoint_dir)
   logging.info(f"memory per device: params {bytes_per_device(state.params) / 2**20:.1f} MiB, "
       f"optimizer state {bytes_per_device(state.opt_state) / 2**20:.1f} MiB")
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
@@ -85,7 +97,6 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   eval_fn = None
   if config.eval_interval > 0 and (config.dataset_type == "synthetic" or config.grain_eval_files):
     eval_fn = jit_eval_step(config, Transformer(config).apply, state_shardings.params, batch_sharding, replicated)
-  batches = input_pipeline.make_iterator(config, mesh, "train")
 
   writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
   profiler = _Profiler(config)
@@ -116,12 +127,14 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
     rows.append(row)
 
   try:
-    for step in range(1, config.steps + 1):
+    for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
       state, metrics = step_fn(state, next(batches))
       if pending is not None:
         finish(*pending)
       pending = (step, metrics)
+      if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
+        checkpointing.save(manager, step, state, batches)
       if eval_fn is not None and step % config.eval_interval == 0:
         finish(*pending)
         pending = None
@@ -132,7 +145,11 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
         last_time = time.perf_counter()
     if pending is not None:
       finish(*pending)
+    if manager is not None:
+      manager.wait_until_finished()
   finally:
+    if manager is not None:
+      manager.close()
     profiler.stop()
     writer.close()
     batches.close()
