@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import jax
@@ -12,8 +11,9 @@ def initialize(raw_config: Mapping[str, Any]) -> None:
   """Must run before anything touches jax devices. A no-op with skip_jax_distributed_system=true."""
   if raw_config["skip_jax_distributed_system"]:
     return
-  if jax.default_backend() == "cpu" if "JAX_PLATFORMS" not in os.environ else os.environ["JAX_PLATFORMS"] == "cpu":
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Only the CPU backend reads this, so it is safe everywhere; asking which backend is in use
+  # would initialise it, and jax.distributed.initialize must run before any backend exists.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   kwargs: dict[str, Any] = {"initialization_timeout": raw_config["jax_distributed_initialization_timeout"]}
   if raw_config["coordinator_address"]:
     kwargs["coordinator_address"] = raw_config["coordinator_address"]

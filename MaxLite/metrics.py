@@ -33,8 +33,8 @@ class MetricsWriter:
       step = row["step"]
       for key, value in row.items():
         if key != "step" and isinstance(value, (int, float)):
-          self._tensorboard.add_scalar(f"learning/{key}" if not key.startswith("eval") else f"eval/{key}",
-                                       value, step)
+          group = "eval" if key.startswith("eval") else "learning"
+          self._tensorboard.add_scalar(f"{group}/{key}", value, step)
 
   def close(self) -> None:
     if self._jsonl is not None:

@@ -90,8 +90,8 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   else:
     (state, start_step), state_shardings = restored, shardings
     logging.info("resumed from checkpoint at step %d in %s", start_step, config.checkpoint_dir)
-  logging.info(f"memory per device: params {bytes_per_device(state.params) / 2**20:.1f} MiB, "
-      f"optimizer state {bytes_per_device(state.opt_state) / 2**20:.1f} MiB")
+  logging.info("memory per device: params %.1f MiB, optimizer state %.1f MiB",
+               bytes_per_device(state.params) / 2**20, bytes_per_device(state.opt_state) / 2**20)
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
   eval_fn = None

@@ -16,10 +16,9 @@ from MaxLite.config import load_config  # noqa: E402  pylint: disable=wrong-impo
 BASE_YML = os.path.join(REPO, "configs", "base.yml")
 
 
-def make_config(*overrides: str, num_devices: int = 1, **kw):
-  """Config for `num_devices` of the simulated devices; overrides are key=value strings."""
-  return load_config([BASE_YML, *overrides], num_devices=num_devices, num_slices=kw.pop("num_slices", None) or 1,
-                     process_count=1)
+def make_config(*overrides: str, num_devices: int = 1):
+  """Config for `num_devices` of the simulated devices (one process, one slice); overrides are key=value."""
+  return load_config([BASE_YML, *overrides], num_devices=num_devices, num_slices=1, process_count=1)
 
 
 def first_devices(n: int):
