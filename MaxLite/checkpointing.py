@@ -1,53 +1,209 @@
-"""Orbax checkpoints of the full train state plus the data iterator state, and auto-resume.
+"""Orbax checkpoints of the train state, every process's data iterator state and the config.
 
-Layout: <run_dir>/checkpoints/<step>/{state, data_iter}. Orbax writes each step into a temporary
-directory and renames it when complete, so a save interrupted by a crash is never picked up.
+Layout: <run_dir>/checkpoints/<step>/{state/, data_iter/process_<i>-of-<n>.json, config/config.json}.
+Orbax writes a step into a temporary directory and renames it only once every item is complete,
+so a save cut short by a crash is never taken for the latest step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from MaxLite.config import Config
-from MaxLite.errors import ConfigError
+from MaxLite.errors import CheckpointError
+
+STATE, DATA_ITER, CONFIG = "state", "data_iter", "config"
+CONFIG_FILE = "config.json"
+
+
+class DataIteratorHandler(ocp.CheckpointHandler):
+  """Each process writes its own small JSON file; restore reads them all (the caller picks)."""
+
+  def save(self, directory: epath.Path, args: "DataIteratorSave") -> None:
+    index, count = jax.process_index(), jax.process_count()
+    record = {"process_index": index, "process_count": count, "state": args.state}
+    (directory / f"process_{index}-of-{count}.json").write_text(json.dumps(record))
+
+  def restore(self, directory: epath.Path, args: "DataIteratorRestore | None" = None) -> dict[int, Any]:
+    records = [json.loads(p.read_text()) for p in sorted(directory.glob("process_*-of-*.json"))]
+    return {r["process_index"]: r for r in records}
+
+  def metadata(self, directory: epath.Path) -> None:
+    return None
+
+
+class ConfigHandler(ocp.CheckpointHandler):
+  """The config the step was trained with, as indented JSON a person can read (process 0 writes)."""
+
+  def save(self, directory: epath.Path, args: "ConfigSave") -> None:
+    if jax.process_index() == 0:
+      (directory / CONFIG_FILE).write_text(json.dumps(args.config, indent=2, sort_keys=True) + "\n")
+
+  def restore(self, directory: epath.Path, args: "ConfigRestore | None" = None) -> dict[str, Any]:
+    return json.loads((directory / CONFIG_FILE).read_text())
+
+  def metadata(self, directory: epath.Path) -> None:
+    return None
+
+
+@ocp.args.register_with_handler(ConfigHandler, for_save=True)
+@dataclasses.dataclass
+class ConfigSave(ocp.args.CheckpointArgs):
+  config: dict[str, Any]
+
+
+@ocp.args.register_with_handler(ConfigHandler, for_restore=True)
+@dataclasses.dataclass
+class ConfigRestore(ocp.args.CheckpointArgs):
+  pass
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
+@dataclasses.dataclass
+class DataIteratorSave(ocp.args.CheckpointArgs):
+  state: Any
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class DataIteratorRestore(ocp.args.CheckpointArgs):
+  pass
 
 
 def create_manager(config: Config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
-  if config.process_count > 1:
-    # Each process has its own data iterator position; until those are saved per process a
-    # multi-host resume could silently repeat or skip data, so refuse rather than diverge.
-    raise ConfigError("enable_checkpointing with several processes is not supported yet (data iterator state "
-                      "is saved for one process only); set enable_checkpointing=false")
   options = ocp.CheckpointManagerOptions(
-      # The trainer decides when to save (every checkpoint_period steps and the last step).
+      # The trainer decides when to save (every checkpoint_period steps, the last step, preemption).
       max_to_keep=None if config.max_checkpoints_to_keep == -1 else config.max_checkpoints_to_keep,
       enable_async_checkpointing=config.async_checkpointing,
       create=True)
-  return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options,
-                               item_names=("state", "data_iter"))
+  handlers = {STATE: ocp.StandardCheckpointHandler(), DATA_ITER: DataIteratorHandler(),
+              CONFIG: ConfigHandler()}
+  return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options, item_handlers=handlers)
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any) -> None:
-  """Save now (async saves return once the arrays are copied off the devices)."""
-  args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                            data_iter=ocp.args.JsonSave(data_iterator.get_state()))
+def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config) -> None:
+  """Start saving `step`; with async on, returns once the arrays are copied off the devices."""
+  args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+                               DATA_ITER: DataIteratorSave(data_iterator.get_state()),
+                               CONFIG: ConfigSave(config.to_dict())})
   manager.save(step, args=args, force=True)
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, shardings: Any,
-                   data_iterator: Any) -> tuple[Any, int] | None:
-  """(state placed on the current mesh, step) of the newest complete checkpoint, or None."""
-  step = manager.latest_step()
-  if step is None:
-    return None
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                           data_iter=ocp.args.JsonRestore()))
-  data_iterator.set_state(restored.data_iter)
-  return restored.state, step
+def restore(manager: ocp.CheckpointManager, step: int, target: Any, data_iterator: Any) -> Any:
+  """The state of `step` placed as `target` says (shapes, dtypes, current-mesh shardings); also
+  moves `data_iterator` to where that step left it."""
+  step_dir = os.path.join(str(manager.directory), str(step))
+  check_compatible(os.path.join(step_dir, STATE), target)
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target),
+                                                                DATA_ITER: DataIteratorRestore()}))
+  except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+    raise CheckpointError(f"checkpoint {step_dir} could not be read ({_first_line(e)}); move that step "
+                          "directory aside to resume from an earlier one") from e
+  data_iterator.set_state(select_iterator_state(restored[DATA_ITER], step_dir, data_iterator))
+  return restored[STATE]
+
+
+def select_iterator_state(saved: dict[int, Any], step_dir: str, data_iterator: Any) -> Any:
+  """This process's saved iterator state; refuses a changed process count unless the input order
+  does not depend on it (e.g. synthetic data), so the global data order never silently changes."""
+  if not saved:
+    raise CheckpointError(f"checkpoint {step_dir} has no data iterator state")
+  saved_count = next(iter(saved.values()))["process_count"]
+  index, count = jax.process_index(), jax.process_count()
+  if saved_count == count and index in saved:
+    return saved[index]["state"]
+  if getattr(data_iterator, "process_invariant", False):
+    return saved[min(saved)]["state"]
+  raise CheckpointError(
+      f"checkpoint {step_dir} was written by {saved_count} data-loading processes but this run has {count}; "
+      f"the data order would change. Resume with {saved_count} processes, or start a new run_name with "
+      f"load_full_state_path={step_dir} (keeps model and optimizer, restarts the data)")
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+  return ".".join(_key_name(k) for k in path)
+
+
+def saved_arrays(state_dir: str) -> dict[str, Any]:
+  """{dotted name: array metadata (shape, dtype)} of a saved state item, without reading arrays."""
+  try:
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
+  except Exception as e:
+    raise CheckpointError(f"checkpoint {state_dir} could not be read ({_first_line(e)})") from e
+  return {path_name(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_compatible(state_dir: str, target: Any) -> None:
+  """Names the first parameter whose saved shape differs from (or is missing for) this config."""
+  saved = saved_arrays(state_dir)
+  for path, want in jax.tree_util.tree_flatten_with_path(target)[0]:
+    name = path_name(path)
+    if name not in saved:
+      raise CheckpointError(f"checkpoint {state_dir} has no '{name}' (shape {tuple(want.shape)} in this config); "
+                            "is it from a different model (or scan_layers setting)?")
+    if tuple(saved[name].shape) != tuple(want.shape):
+      raise CheckpointError(f"checkpoint {state_dir}: '{name}' has shape {tuple(saved[name].shape)} in the "
+                            f"checkpoint but {tuple(want.shape)} in this config")
+
+
+def resolve_state_dir(path: str, key: str) -> str:
+  """A load path may name a step directory (…/checkpoints/100) or its state item (…/100/state)."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{key}={path}: no such directory")
+  if os.path.isdir(os.path.join(path, STATE)):
+    return os.path.join(path, STATE)
+  if os.path.exists(os.path.join(path, "_METADATA")):
+    return path
+  steps = sorted((int(d) for d in os.listdir(path) if d.isdigit()), reverse=True)
+  hint = f" (it holds steps {steps[:5]}; use e.g. {os.path.join(path, str(steps[0]))})" if steps else ""
+  raise CheckpointError(f"{key}={path} is not a checkpoint step directory{hint}")
+
+
+def load_params(path: str, target_params: Any) -> Any:
+  """Only the params of a checkpoint (a full train state or a params-only export)."""
+  state_dir = resolve_state_dir(path, "load_parameters_path")
+  target = {"params": target_params}
+  check_compatible(state_dir, target)
+  args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                partial_restore=True)
+  return _read(state_dir, lambda: ocp.PyTreeCheckpointer().restore(state_dir, args=args))["params"]
+
+
+def load_full_state(path: str, target: Any) -> Any:
+  state_dir = resolve_state_dir(path, "load_full_state_path")
+  check_compatible(state_dir, target)
+  return _read(state_dir, lambda: ocp.StandardCheckpointer().restore(state_dir, target))
+
+
+def sharded_target(abstract: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def _read(state_dir: str, fn: Any) -> Any:
+  try:
+    return fn()
+  except Exception as e:
+    raise CheckpointError(f"checkpoint {state_dir} could not be read ({_first_line(e)})") from e
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

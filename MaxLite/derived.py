@@ -94,6 +94,9 @@ def _check_positive(c: dict[str, Any]) -> None:
     raise ConfigError(f"warmup_steps_fraction must be in [0, 1), got {c['warmup_steps_fraction']}")
   if not 0.0 <= c["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
+  if c["load_parameters_path"] and c["load_full_state_path"]:
+    raise ConfigError("load_parameters_path and load_full_state_path are mutually exclusive (params only vs the "
+                      "whole train state); set only one")
   if c["eval_interval"] != -1 and (c["eval_interval"] <= 0 or c["eval_steps"] <= 0):
     raise ConfigError(f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
                       "(eval_interval=-1 disables eval)")

@@ -11,3 +11,7 @@ class ConfigError(MaxLiteError):
 
 class InputError(MaxLiteError):
   """A data file, tokenizer or other input is missing or unreadable."""
+
+
+class CheckpointError(MaxLiteError):
+  """A checkpoint is missing, unreadable or does not fit the configured model."""

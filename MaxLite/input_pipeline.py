@@ -71,8 +71,11 @@ def data_shard(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
 class GlobalBatchIterator:
   """Wraps a per-process numpy iterator; yields dicts of global jax.Arrays."""
 
-  def __init__(self, local: Any, sharding: NamedSharding, global_shape: tuple[int, int]):
+  def __init__(self, local: Any, sharding: NamedSharding, global_shape: tuple[int, int], process_invariant: bool):
     self._local, self._sharding, self._global_shape = local, sharding, global_shape
+    # True when the state means the same on every process (the global batch is a function of the
+    # step), so a checkpoint may be resumed with a different number of processes.
+    self.process_invariant = process_invariant
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
@@ -115,5 +118,6 @@ def make_iterator(config: Config, mesh: Mesh, split: str = "train") -> GlobalBat
   global_batch = config.global_batch_size_to_train_on
   start, stop = process_rows(sharding, global_batch)
   local = _local_iterator(config, split, start, stop, global_batch)
-  return GlobalBatchIterator(local, sharding, (global_batch, config.max_target_length))
+  return GlobalBatchIterator(local, sharding, (global_batch, config.max_target_length),
+                             process_invariant=config.dataset_type == "synthetic")
 

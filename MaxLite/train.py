@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 
@@ -41,7 +42,13 @@ def run(argv: Sequence[str]) -> None:
   train(config)
 
 
+def _quiet_orbax_info(record: "std_logging.LogRecord") -> bool:
+  """Orbax logs several INFO lines per save on every process; keep its warnings and errors only."""
+  return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 def main(argv: Sequence[str]) -> None:
+  logging.get_absl_handler().addFilter(_quiet_orbax_info)
   try:
     run(argv[1:])
   except MaxLiteError as e:

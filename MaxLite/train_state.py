@@ -41,13 +41,16 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: C
   return _unbox(boxed), logical, logical_to_sharding(logical, mesh, config)
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation, config: Config,
-                       mesh: Mesh) -> tuple[TrainState, Any]:
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any) -> TrainState:
   """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state."""
-  _, _, shardings = abstract_state(model, tx, config, mesh)
   init = jax.jit(functools.partial(_init_state, model, tx, config), out_shardings=shardings)
-  state = _unbox(init(jax.random.key(config.init_weights_seed)))
-  return state, shardings
+  return _unbox(init(jax.random.key(config.init_weights_seed)))
+
+
+def state_from_params(model: nn.Module, tx: optax.GradientTransformation, params: Any, shardings: Any) -> TrainState:
+  """Step 0 with a fresh optimizer around given params (e.g. loaded for fine-tuning)."""
+  create = lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=tx)
+  return jax.jit(create, out_shardings=shardings)(params)
 
 
 def bytes_per_device(tree: Any) -> int:

@@ -23,7 +23,8 @@ from absl import logging
 from MaxLite.metrics import MetricsWriter, log_line
 from MaxLite.model import Transformer
 from MaxLite.optimizer import create_optimizer
-from MaxLite.train_state import abstract_state, bytes_per_device, create_train_state
+from MaxLite.preemption import PreemptionWatcher
+from MaxLite.train_state import abstract_state, bytes_per_device, create_train_state, state_from_params
 from MaxLite.train_step import jit_eval_step, jit_train_step
 
 
@@ -74,22 +75,40 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[d
     return _train_on_mesh(config, mesh)
 
 
+def _initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[Any, Any, int]:
+  """(state, its shardings, step): the run's own latest checkpoint if any (auto-resume), else
+  load_full_state_path, else a fresh init (with load_parameters_path's params if set)."""
+  abstract, _, shardings = abstract_state(model, tx, config, mesh)
+  target = checkpointing.sharded_target(abstract, shardings)
+  latest = manager.latest_step() if manager is not None else None
+  if latest is not None:
+    state = checkpointing.restore(manager, latest, target, batches)
+    logging.info("resumed from checkpoint at step %d in %s", latest, config.checkpoint_dir)
+    return state, shardings, latest
+  if config.load_full_state_path:
+    state = checkpointing.load_full_state(config.load_full_state_path, target)
+    logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
+    return state, shardings, int(state.step)
+  if config.load_parameters_path:
+    params = checkpointing.load_params(config.load_parameters_path, target.params)
+    logging.info("loaded parameters from %s (fresh optimizer, step 0)", config.load_parameters_path)
+    return state_from_params(model, tx, params, shardings), shardings, 0
+  return create_train_state(model, tx, config, shardings), shardings, 0
+
+
 def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
   manager = checkpointing.create_manager(config)
   batches = input_pipeline.make_iterator(config, mesh, "train")
-  restored = None
-  if manager is not None:
-    abstract, _, shardings = abstract_state(model, tx, config, mesh)
-    restored = checkpointing.restore_latest(manager, abstract, shardings, batches)
-  if restored is None:
-    state, state_shardings = create_train_state(model, tx, config, mesh)
-    start_step = 0
-  else:
-    (state, start_step), state_shardings = restored, shardings
-    logging.info("resumed from checkpoint at step %d in %s", start_step, config.checkpoint_dir)
+  try:
+    state, state_shardings, start_step = _initial_state(config, mesh, model, tx, manager, batches)
+  except BaseException:
+    batches.close()
+    if manager is not None:
+      manager.close()
+    raise
   logging.info("memory per device: params %.1f MiB, optimizer state %.1f MiB",
                bytes_per_device(state.params) / 2**20, bytes_per_device(state.opt_state) / 2**20)
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
@@ -126,6 +145,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       writer.write(row)
     rows.append(row)
 
+  preemption = PreemptionWatcher() if manager is not None else None
   try:
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
@@ -133,8 +153,12 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       if pending is not None:
         finish(*pending)
       pending = (step, metrics)
-      if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
-        checkpointing.save(manager, step, state, batches)
+      preempted = preemption is not None and preemption.reached(step)
+      if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps or preempted):
+        checkpointing.save(manager, step, state, batches, config)
+      if preempted:
+        logging.info("preempted: saved a checkpoint at step %d, stopping", step)
+        break
       if eval_fn is not None and step % config.eval_interval == 0:
         finish(*pending)
         pending = None
@@ -148,6 +172,8 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
     if manager is not None:
       manager.wait_until_finished()
   finally:
+    if preemption is not None:
+      preemption.close()
     if manager is not None:
       manager.close()
     profiler.stop()

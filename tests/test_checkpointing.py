@@ -5,7 +5,6 @@ import os
 import pytest
 
 from conftest import first_devices, make_config
-from MaxLite.errors import ConfigError
 from MaxLite.trainer import train
 
 BASE = ("model_name=tiny", "max_target_length=64", "per_device_batch_size=4", "enable_tensorboard=false",
@@ -25,12 +24,3 @@ def test_resume_equals_uninterrupted_run(tmp_path, data):
   assert [r["step"] for r in second] == [6, 7, 8]
   losses = lambda rows: [r["loss"] for r in rows if "loss" in r]
   assert losses(first) + losses(second) == losses(straight)  # bit for bit
-
-
-def test_checkpointing_refuses_several_processes():
-  config = make_config("enable_checkpointing=true")
-  from MaxLite.config import Config  # pylint: disable=import-outside-toplevel
-  from MaxLite.checkpointing import create_manager  # pylint: disable=import-outside-toplevel
-  several = Config({**config.to_dict(), "process_count": 2})
-  with pytest.raises(ConfigError, match="several processes"):
-    create_manager(several)

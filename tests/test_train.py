@@ -10,7 +10,7 @@ from MaxLite import sharding as sharding_lib
 from MaxLite.mesh import create_mesh
 from MaxLite.model import Transformer
 from MaxLite.optimizer import create_optimizer
-from MaxLite.train_state import bytes_per_device, create_train_state, total_bytes
+from MaxLite.train_state import abstract_state, bytes_per_device, create_train_state, total_bytes
 from MaxLite.trainer import NonFiniteLossError, train
 
 TINY = ("model_name=tiny", "max_target_length=64", "steps=3", "dataset_type=synthetic", "enable_tensorboard=false",
@@ -58,8 +58,8 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path, single_device):
 def _state_on(config, n):
   mesh = create_mesh(config, first_devices(n))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    state, _ = create_train_state(Transformer(config), create_optimizer(config), config, mesh)
-  return state
+    model, tx = Transformer(config), create_optimizer(config)
+    return create_train_state(model, tx, config, abstract_state(model, tx, config, mesh)[2])
 
 
 # Expected mesh placement of each parameter under base.yml's rules with fsdp=4 x tensor=2,

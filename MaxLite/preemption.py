@@ -1,0 +1,43 @@
+"""Notice of preemption (SIGTERM), agreed on by every process, so all save the same step.
+
+With jax.distributed running, JAX's preemption sync manager catches SIGTERM in every process and
+`reached_preemption_sync_point` turns true on all of them at the same step (this is also how TPU
+maintenance events arrive). A single process without jax.distributed uses a plain signal handler.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+
+
+class PreemptionWatcher:
+
+  def __init__(self) -> None:
+    self._signalled = False
+    self._previous: Any = None
+    self._use_jax = jax.distributed.is_initialized()
+    if not self._use_jax and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum: int, frame: Any) -> None:
+    del signum, frame
+    self._signalled = True
+
+  def reached(self, step: int) -> bool:
+    """Call once per step on every process; true at the step where all should save and stop."""
+    if self._use_jax:
+      try:
+        return multihost_utils.reached_preemption_sync_point(step)
+      except RuntimeError:  # preemption service disabled
+        return False
+    return self._signalled
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None

@@ -1,0 +1,85 @@
+"""Helpers for tests that run train.py / launch_local.py as real processes and kill them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import BASE_YML, REPO
+
+TRAIN = os.path.join(REPO, "MaxLite", "train.py")
+LAUNCH = os.path.join(REPO, "MaxLite", "launch_local.py")
+
+
+def env_with_devices(n: int) -> dict[str, str]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def train_command(*overrides: str) -> list[str]:
+  return [sys.executable, TRAIN, BASE_YML, *overrides]
+
+
+def launch_command(num_processes: int, devices: int, *overrides: str) -> list[str]:
+  return [sys.executable, LAUNCH, f"--num_processes={num_processes}", f"--devices_per_process={devices}", BASE_YML,
+          *overrides]
+
+
+def start(command: list[str], log_path: str, devices: int = 1) -> subprocess.Popen:
+  """Own session, so the test can kill the process and all its children at once."""
+  log = open(log_path, "ab")  # pylint: disable=consider-using-with
+  return subprocess.Popen(command, env=env_with_devices(devices), stdout=log, stderr=subprocess.STDOUT,
+                          start_new_session=True)
+
+
+def run(command: list[str], log_path: str, devices: int = 1, timeout: float = 300) -> int:
+  proc = start(command, log_path, devices)
+  try:
+    return proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    kill_group(proc)
+    raise
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+  try:
+    os.killpg(proc.pid, sig)
+  except ProcessLookupError:
+    pass
+  proc.wait(timeout=60)
+
+
+def metric_rows(metrics_file: str, offset: int = 0) -> list[dict]:
+  if not os.path.exists(metrics_file):
+    return []
+  with open(metrics_file, encoding="utf-8") as f:
+    f.seek(offset)
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def losses(rows: list[dict]) -> dict[int, float]:
+  """{step: loss}; a step logged twice (before a kill and after resume) keeps its last value."""
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def wait_for_step(proc: subprocess.Popen, metrics_file: str, step: int, log_path: str, timeout: float = 300) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if any(s >= step for s in losses(metric_rows(metrics_file))):
+      return
+    if proc.poll() is not None:
+      raise AssertionError(f"process exited with {proc.returncode} before step {step}:\n{tail(log_path)}")
+    time.sleep(0.05)
+  kill_group(proc)
+  raise AssertionError(f"step {step} not reached within {timeout}s:\n{tail(log_path)}")
+
+
+def tail(path: str, lines: int = 30) -> str:
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return "".join(f.readlines()[-lines:])
