@@ -102,13 +102,10 @@ def restore(manager: ocp.CheckpointManager, step: int, target: Any, data_iterato
   """The state of `step` placed as `target` says (shapes, dtypes, current-mesh shardings); also
   moves `data_iterator` to where that step left it."""
   step_dir = os.path.join(str(manager.directory), str(step))
-  check_compatible(os.path.join(step_dir, STATE), target)
-  try:
-    restored = manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target),
-                                                                DATA_ITER: DataIteratorRestore()}))
-  except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-    raise CheckpointError(f"checkpoint {step_dir} could not be read ({_first_line(e)}); move that step "
-                          "directory aside to resume from an earlier one") from e
+  hint = "; move that step directory aside to resume from an earlier one"
+  check_compatible(os.path.join(step_dir, STATE), target, hint)
+  args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), DATA_ITER: DataIteratorRestore()})
+  restored = _read(step_dir, lambda: manager.restore(step, args=args), hint)
   data_iterator.set_state(select_iterator_state(restored[DATA_ITER], step_dir, data_iterator))
   return restored[STATE]
 
@@ -141,18 +138,15 @@ def path_name(path: tuple[Any, ...]) -> str:
   return ".".join(_key_name(k) for k in path)
 
 
-def saved_arrays(state_dir: str) -> dict[str, Any]:
+def saved_arrays(state_dir: str, hint: str = "") -> dict[str, Any]:
   """{dotted name: array metadata (shape, dtype)} of a saved state item, without reading arrays."""
-  try:
-    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
-  except Exception as e:
-    raise CheckpointError(f"checkpoint {state_dir} could not be read ({_first_line(e)})") from e
+  tree = _read(state_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree, hint)
   return {path_name(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_compatible(state_dir: str, target: Any) -> None:
+def check_compatible(state_dir: str, target: Any, hint: str = "") -> None:
   """Names the first parameter whose saved shape differs from (or is missing for) this config."""
-  saved = saved_arrays(state_dir)
+  saved = saved_arrays(state_dir, hint)
   for path, want in jax.tree_util.tree_flatten_with_path(target)[0]:
     name = path_name(path)
     if name not in saved:
@@ -184,26 +178,31 @@ def load_params(path: str, target_params: Any) -> Any:
   check_compatible(state_dir, target)
   args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                 partial_restore=True)
-  return _read(state_dir, lambda: ocp.PyTreeCheckpointer().restore(state_dir, args=args))["params"]
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    return _read(state_dir, lambda: checkpointer.restore(state_dir, args=args))["params"]
 
 
 def load_full_state(path: str, target: Any) -> Any:
   state_dir = resolve_state_dir(path, "load_full_state_path")
   check_compatible(state_dir, target)
-  return _read(state_dir, lambda: ocp.StandardCheckpointer().restore(state_dir, target))
+  with ocp.StandardCheckpointer() as checkpointer:
+    return _read(state_dir, lambda: checkpointer.restore(state_dir, target))
 
 
 def sharded_target(abstract: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _read(state_dir: str, fn: Any) -> Any:
+def _read(where: str, fn: Any, hint: str = "") -> Any:
   try:
     return fn()
-  except Exception as e:
-    raise CheckpointError(f"checkpoint {state_dir} could not be read ({_first_line(e)})") from e
+  except CheckpointError:
+    raise
+  except Exception as e:  # orbax and tensorstore raise many types for unreadable files
+    raise CheckpointError(f"checkpoint {where} could not be read ({_first_line(e)}){hint}") from e
 
 
 def _first_line(error: BaseException) -> str:
   text = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+  line = f"{type(error).__name__}: {text[0] if text else ''}"
+  return line if len(line) <= 240 else line[:237] + "..."

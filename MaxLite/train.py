@@ -47,8 +47,17 @@ def _quiet_orbax_info(record: "std_logging.LogRecord") -> bool:
   return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
+def _drop_closed_loop_noise(unraisable: "sys.UnraisableHookArgs") -> None:
+  """After one read of a corrupt checkpoint fails, orbax closes its event loop while tensorstore is
+  still finishing the sibling reads; their callbacks then fail harmlessly. Keep the error one line."""
+  if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+    return
+  sys.__unraisablehook__(unraisable)
+
+
 def main(argv: Sequence[str]) -> None:
   logging.get_absl_handler().addFilter(_quiet_orbax_info)
+  sys.unraisablehook = _drop_closed_loop_noise
   try:
     run(argv[1:])
   except MaxLiteError as e:

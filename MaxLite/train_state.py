@@ -24,7 +24,15 @@ def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Conf
   shape = (config.micro_batch_size, config.max_target_length)
   ids = jax.ShapeDtypeStruct(shape, jnp.int32)
   variables = model.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)
-  return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+  return _new_state(model, tx, variables["params"])
+
+
+def _new_state(model: nn.Module, tx: optax.GradientTransformation, params: Any) -> TrainState:
+  # A strongly typed step (TrainState.create's is a weakly typed Python 0) keeps the train step's
+  # input types the same whether the state was just created or restored from a checkpoint, so both
+  # runs execute one identical compiled program and resume bit for bit.
+  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  return state.replace(step=jnp.zeros((), jnp.int32))
 
 
 def _unbox(tree: Any) -> Any:
@@ -49,8 +57,7 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, confi
 
 def state_from_params(model: nn.Module, tx: optax.GradientTransformation, params: Any, shardings: Any) -> TrainState:
   """Step 0 with a fresh optimizer around given params (e.g. loaded for fine-tuning)."""
-  create = lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=tx)
-  return jax.jit(create, out_shardings=shardings)(params)
+  return jax.jit(functools.partial(_new_state, model, tx), out_shardings=shardings)(params)
 
 
 def bytes_per_device(tree: Any) -> int:

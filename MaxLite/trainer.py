@@ -54,7 +54,7 @@ class _Profiler:
       self._active = False
 
 
-def _evaluate(config: Config, mesh, eval_fn, params) -> float:
+def evaluate(config: Config, mesh, eval_fn, params) -> float:
   totals = {"xent_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
   batches = input_pipeline.make_iterator(config, mesh, "eval")
   try:
@@ -75,7 +75,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[d
     return _train_on_mesh(config, mesh)
 
 
-def _initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[Any, Any, int]:
+def initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[Any, Any, int]:
   """(state, its shardings, step): the run's own latest checkpoint if any (auto-resume), else
   load_full_state_path, else a fresh init (with load_parameters_path's params if set)."""
   abstract, _, shardings = abstract_state(model, tx, config, mesh)
@@ -103,7 +103,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   manager = checkpointing.create_manager(config)
   batches = input_pipeline.make_iterator(config, mesh, "train")
   try:
-    state, state_shardings, start_step = _initial_state(config, mesh, model, tx, manager, batches)
+    state, state_shardings, start_step = initial_state(config, mesh, model, tx, manager, batches)
   except BaseException:
     batches.close()
     if manager is not None:
@@ -162,7 +162,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       if eval_fn is not None and step % config.eval_interval == 0:
         finish(*pending)
         pending = None
-        eval_loss = _evaluate(config, mesh, eval_fn, state.params)
+        eval_loss = evaluate(config, mesh, eval_fn, state.params)
         logging.info(f"step {step:>6d} | eval_loss {eval_loss:.4f}")
         writer.write({"step": step, "eval_loss": eval_loss})
         rows.append({"step": step, "eval_loss": eval_loss})

@@ -1,4 +1,9 @@
-"""Real processes killed mid-run (SIGKILL, SIGTERM, during an async save) resume exactly."""
+"""Real processes killed mid-run (SIGKILL, SIGTERM, during an async save) resume exactly.
+
+Every run a test compares is a train.py process with the same number of visible devices: XLA's CPU
+code may round differently when the process sees a different device count, so an in-process reference
+(pytest sees 8 devices) is not a bit-for-bit reference for a 1-device process.
+"""
 
 import os
 import signal
@@ -7,23 +12,23 @@ import time
 import orbax.checkpoint as ocp
 
 import procs
-from conftest import first_devices, make_config
-from MaxLite.trainer import train
 
 TINY = ("model_name=tiny", "max_target_length=64", "enable_tensorboard=false", "learning_rate=1e-2",
         "learning_rate_schedule_steps=16", "eval_interval=-1", "log_period=1")
 
 
-def _straight_losses(overrides, devices):
-  rows = train(make_config(*overrides, num_devices=devices), first_devices(devices))
-  return procs.losses(rows)
+def _run_losses(tmp_path, overrides, run_name, devices=1):
+  """Run train.py to the end; {step: loss} of that run's metrics (later rows win)."""
+  log = str(tmp_path / f"{run_name}.log")
+  assert procs.run(procs.train_command(*overrides, f"run_name={run_name}"), log, devices=devices) == 0, procs.tail(log)
+  return procs.losses(procs.metric_rows(str(tmp_path / run_name / "metrics.jsonl")))
 
 
 def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
   """fsdp=4 x tensor=2 on 8 devices, real grain data, checkpoint every 4 steps."""
   args = (*TINY, "dataset_type=grain", "per_device_batch_size=1", "ici_fsdp_parallelism=4",
           "ici_tensor_parallelism=2", "steps=12", f"base_output_directory={tmp_path}")
-  straight = _straight_losses((*args, "run_name=a"), 8)
+  straight = _run_losses(tmp_path, args, "a", devices=8)
   command = procs.train_command(*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=4")
   metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
   proc = procs.start(command, log, devices=8)
@@ -38,26 +43,27 @@ def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
 
 def test_sigterm_saves_current_step_and_exits_0(tmp_path):
   args = (*TINY, "dataset_type=grain", "per_device_batch_size=4", f"base_output_directory={tmp_path}")
-  run_args = (*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=1000")
+  run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1000")
   metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
-  proc = procs.start(procs.train_command(*run_args, "steps=100000"), log)
+  proc = procs.start(procs.train_command(*run_args, "run_name=b", "steps=100000"), log)
   procs.wait_for_step(proc, metrics, 3, log)
   os.killpg(proc.pid, signal.SIGTERM)
   assert proc.wait(timeout=60) == 0, procs.tail(log)
   stopped_at = max(procs.losses(procs.metric_rows(metrics)))
   assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == [str(stopped_at)]
-  resumed = procs.losses(train(make_config(*run_args, f"steps={stopped_at + 2}"), first_devices(1)))
-  straight = _straight_losses((*args, "run_name=a", f"steps={stopped_at + 2}"), 1)
-  assert resumed == {s: straight[s] for s in (stopped_at + 1, stopped_at + 2)}
+  resumed = _run_losses(tmp_path, (*run_args, f"steps={stopped_at + 2}"), "b")
+  straight = _run_losses(tmp_path, (*args, f"steps={stopped_at + 2}"), "a")
+  assert {s: resumed[s] for s in (stopped_at + 1, stopped_at + 2)} == {
+      s: straight[s] for s in (stopped_at + 1, stopped_at + 2)}
 
 
 def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   """Save every step with a model whose saves take longer than a step, kill while one is in flight."""
   args = ("dataset_type=synthetic", "max_target_length=32", "per_device_batch_size=1", "enable_tensorboard=false",
           "learning_rate_schedule_steps=16", "eval_interval=-1", "log_period=1", f"base_output_directory={tmp_path}")
-  run_args = (*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=1", "max_checkpoints_to_keep=-1")
+  run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1", "max_checkpoints_to_keep=-1")
   ckpt_dir, log = tmp_path / "b" / "checkpoints", str(tmp_path / "b.log")
-  proc = procs.start(procs.train_command(*run_args, "steps=100000"), log)
+  proc = procs.start(procs.train_command(*run_args, "run_name=b", "steps=100000"), log)
   deadline, in_flight = time.monotonic() + 300, []
   while not in_flight and time.monotonic() < deadline and proc.poll() is None:
     names = os.listdir(ckpt_dir) if ckpt_dir.exists() else []
@@ -71,6 +77,6 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   assert all(int(n.split(".")[0]) > complete for n in partial)
   manager = ocp.CheckpointManager(str(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True))
   assert manager.latest_step() == complete
-  resumed = procs.losses(train(make_config(*run_args, f"steps={complete + 2}"), first_devices(1)))
-  straight = _straight_losses((*args, "run_name=a", f"steps={complete + 2}"), 1)
-  assert resumed == {s: straight[s] for s in (complete + 1, complete + 2)}
+  resumed = _run_losses(tmp_path, (*run_args, f"steps={complete + 2}"), "b")
+  straight = _run_losses(tmp_path, (*args, f"steps={complete + 2}"), "a")
+  assert {s: resumed[s] for s in (complete + 1, complete + 2)} == {s: straight[s] for s in (complete + 1, complete + 2)}

@@ -1,0 +1,50 @@
+"""Several real processes joined by jax.distributed (gloo), started by MaxLite/launch_local.py."""
+
+import os
+import signal
+import time
+
+import procs
+
+TINY = ("model_name=tiny", "max_target_length=64", "enable_tensorboard=false", "learning_rate=1e-2",
+        "learning_rate_schedule_steps=16", "eval_interval=-1", "log_period=1", "dataset_type=grain",
+        "per_device_batch_size=1", "ici_fsdp_parallelism=8", "steps=8")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if text.encode() in f.read():
+          found.append(int(pid))
+    except OSError:
+      pass
+  return found
+
+
+def test_two_processes_killed_and_resumed_match_uninterrupted_run(tmp_path):
+  args = (*TINY, f"base_output_directory={tmp_path}")
+  log = str(tmp_path / "launch.log")
+  assert procs.run(procs.launch_command(2, 4, *args, "run_name=a"), log) == 0, procs.tail(log)
+  straight = procs.losses(procs.metric_rows(str(tmp_path / "a" / "metrics.jsonl")))
+  assert sorted(straight) == list(range(1, 9))
+
+  command = procs.launch_command(2, 4, *args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=3")
+  metrics = str(tmp_path / "b" / "metrics.jsonl")
+  launcher = procs.start(command, log)
+  procs.wait_for_step(launcher, metrics, 5, log)
+  procs.kill_group(launcher, signal.SIGKILL)  # the launcher and both training processes
+  deadline = time.monotonic() + 10
+  while _processes_mentioning(f"base_output_directory={tmp_path}") and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not _processes_mentioning(f"base_output_directory={tmp_path}")
+  assert sorted(os.listdir(tmp_path / "b" / "checkpoints"))[0] == "3"
+  killed_at = os.path.getsize(metrics)
+
+  assert procs.run(command, log) == 0, procs.tail(log)
+  resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
+  assert max(resumed) == 8 and min(resumed) <= 6
+  assert resumed == {s: straight[s] for s in resumed}  # bit for bit
+  assert sorted(os.listdir(tmp_path / "b" / "checkpoints" / "8" / "data_iter")) == [
+      "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
