@@ -1,6 +1,7 @@
 """Several real processes joined by jax.distributed (gloo), started by MaxLite/launch_local.py."""
 
 import os
+import re
 import signal
 import time
 
@@ -48,3 +49,18 @@ def test_two_processes_killed_and_resumed_match_uninterrupted_run(tmp_path):
   assert resumed == {s: straight[s] for s in resumed}  # bit for bit
   assert sorted(os.listdir(tmp_path / "b" / "checkpoints" / "8" / "data_iter")) == [
       "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_sigterm_to_the_job_saves_the_same_step_on_every_process(tmp_path):
+  """jax.distributed's preemption sync: both processes agree on the step, save it, exit 0."""
+  args = (*TINY[:-1], "steps=100000", f"base_output_directory={tmp_path}", "run_name=p", "enable_checkpointing=true",
+          "checkpoint_period=100000")
+  metrics, log = str(tmp_path / "p" / "metrics.jsonl"), str(tmp_path / "launch.log")
+  launcher = procs.start(procs.launch_command(2, 4, *args), log)
+  procs.wait_for_step(launcher, metrics, 3, log)
+  launcher.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
+  assert launcher.wait(timeout=120) == 0, procs.tail(log)
+  with open(log, encoding="utf-8") as f:
+    saved = sorted(re.findall(r"\[p(\d)\] .*preempted: saved a checkpoint at step (\d+)", f.read()))
+  assert [p for p, _ in saved] == ["0", "1"] and saved[0][1] == saved[1][1], saved
+  assert os.listdir(tmp_path / "p" / "checkpoints") == [saved[0][1]]
