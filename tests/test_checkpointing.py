@@ -3,6 +3,7 @@
 import os
 import re
 import shutil
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -10,8 +11,7 @@ import numpy as np
 import pytest
 from flax.linen import partitioning as nn_partitioning
 
-import procs
-from conftest import first_devices, make_config
+from conftest import REPO, first_devices, make_config
 from MaxLite import sharding as sharding_lib
 from MaxLite.checkpoint_info import describe
 from MaxLite.checkpointing import select_iterator_state
@@ -21,6 +21,9 @@ from MaxLite.model import Transformer
 from MaxLite.optimizer import create_optimizer
 from MaxLite.train_step import jit_eval_step
 from MaxLite.trainer import evaluate, initial_state, train
+
+sys.path.insert(0, os.path.join(REPO, "end_to_end"))
+import procs  # noqa: E402  pylint: disable=wrong-import-position
 
 BASE = ("model_name=tiny", "max_target_length=64", "per_device_batch_size=4", "enable_tensorboard=false",
         "learning_rate=1e-2", "learning_rate_schedule_steps=8")

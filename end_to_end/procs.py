@@ -1,4 +1,4 @@
-"""Helpers for tests that run train.py / launch_local.py as real processes and kill them."""
+"""Run train.py / launch_local.py as real processes, kill them, read their metrics (test helpers)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from conftest import BASE_YML, REPO
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_YML = os.path.join(REPO, "configs", "base.yml")
 
 TRAIN = os.path.join(REPO, "MaxLite", "train.py")
 LAUNCH = os.path.join(REPO, "MaxLite", "launch_local.py")

@@ -64,3 +64,57 @@ def test_sigterm_to_the_job_saves_the_same_step_on_every_process(tmp_path):
     saved = sorted(re.findall(r"\[p(\d)\] .*preempted: saved a checkpoint at step (\d+)", f.read()))
   assert [p for p, _ in saved] == ["0", "1"] and saved[0][1] == saved[1][1], saved
   assert os.listdir(tmp_path / "p" / "checkpoints") == [saved[0][1]]
+
+
+def _pid_of(*fragments: str) -> int:
+  for pid in _processes_mentioning(fragments[0]):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      argv = f.read().split(b"\0")
+    if all(x.encode() in argv for x in fragments) and any(a.endswith(b"train.py") for a in argv):
+      return pid
+  raise AssertionError(f"no train.py process with {fragments}")
+
+
+def test_a_crashed_process_fails_the_launch_fast_and_leaves_no_orphans(tmp_path):
+  args = (*TINY[:-1], "steps=100000", f"base_output_directory={tmp_path}", "run_name=c")
+  log = str(tmp_path / "launch.log")
+  launcher = procs.start(procs.launch_command(2, 4, *args), log)
+  procs.wait_for_step(launcher, str(tmp_path / "c" / "metrics.jsonl"), 2, log)
+  os.kill(_pid_of(f"base_output_directory={tmp_path}", "process_id=1"), signal.SIGKILL)
+  crashed_at = time.monotonic()
+  code = launcher.wait(timeout=60)
+  assert code != 0 and time.monotonic() - crashed_at < 60
+  output = procs.tail(log, lines=40)
+  assert "launch_local: process 1 exited with code -9; last lines of" in output
+  assert re.search(r"  \| .*step +\d+ \| loss", output)  # the crashed process's own last log lines
+  deadline = time.monotonic() + 10
+  while _processes_mentioning(f"base_output_directory={tmp_path}") and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not _processes_mentioning(f"base_output_directory={tmp_path}")
+
+
+def test_unreachable_coordinator_is_one_clear_line_within_the_timeout(tmp_path):
+  log = str(tmp_path / "log")
+  start = time.monotonic()
+  code = procs.run(procs.train_command("model_name=tiny", "skip_jax_distributed_system=false",
+                                       "coordinator_address=127.0.0.1:9", "num_processes=2", "process_id=1",
+                                       "jax_distributed_initialization_timeout=5", f"base_output_directory={tmp_path}"),
+                   log, timeout=60)
+  assert code == 2 and time.monotonic() - start < 30
+  output = procs.tail(log, lines=3)
+  assert "Traceback" not in output and "error: jax.distributed: not all 2 processes joined coordinator 127.0.0.1:9 " \
+      "within jax_distributed_initialization_timeout=5s (this is process_id=1)" in output, output
+
+
+def test_two_processes_equal_one_process_with_the_same_eight_devices(tmp_path):
+  """fsdp=8 over 2 processes x 4 devices vs 1 process x 8 devices; synthetic data does not depend on
+  the process layout, so both see the same global batches."""
+  args = (*TINY, "dataset_type=synthetic", f"base_output_directory={tmp_path}")
+  log = str(tmp_path / "log")
+  assert procs.run(procs.launch_command(2, 4, *args, "run_name=two"), log) == 0, procs.tail(log)
+  assert procs.run(procs.train_command(*args, "run_name=one"), log, devices=8) == 0, procs.tail(log)
+  two = procs.losses(procs.metric_rows(str(tmp_path / "two" / "metrics.jsonl")))
+  one = procs.losses(procs.metric_rows(str(tmp_path / "one" / "metrics.jsonl")))
+  assert sorted(two) == sorted(one) == list(range(1, 9))
+  for step, loss in one.items():
+    assert abs(two[step] - loss) <= 1e-5 * abs(loss), (step, two[step], loss)

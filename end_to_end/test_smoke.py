@@ -1,0 +1,42 @@
+"""Smoke: the tiny model trains on the shipped data, deterministically, to the recorded golden losses.
+
+The golden file holds the exact per-step losses of GOLDEN_ARGS on one CPU device. After a change that
+is meant to alter the numbers, regenerate it and review the diff:
+
+  UPDATE_GOLDEN=1 python3 -m pytest -q end_to_end/test_smoke.py
+"""
+
+import json
+import os
+
+import procs
+
+GOLDEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_losses.json")
+GOLDEN_ARGS = ("model_name=tiny", "dataset_type=grain", "max_target_length=128", "per_device_batch_size=4",
+               "steps=12", "learning_rate=1e-2", "learning_rate_schedule_steps=12", "eval_interval=-1",
+               "log_period=1", "enable_tensorboard=false")
+
+
+def _train(tmp_path, run_name):
+  log = str(tmp_path / f"{run_name}.log")
+  code = procs.run(procs.train_command(*GOLDEN_ARGS, f"base_output_directory={tmp_path}", f"run_name={run_name}"), log)
+  assert code == 0, procs.tail(log)
+  return procs.losses(procs.metric_rows(str(tmp_path / run_name / "metrics.jsonl")))
+
+
+def test_tiny_model_trains_deterministically_to_the_golden_losses(tmp_path):
+  first, second = _train(tmp_path, "a"), _train(tmp_path, "b")
+  assert first == second  # same config + seed: bit for bit
+  steps = sorted(first)
+  assert steps == list(range(1, 13))
+  assert sum(first[s] for s in steps[-3:]) / 3 < sum(first[s] for s in steps[:3]) / 3 - 1.0  # it learns
+  if os.environ.get("UPDATE_GOLDEN"):
+    with open(GOLDEN_FILE, "w", encoding="utf-8") as f:
+      json.dump({"args": list(GOLDEN_ARGS), "devices": 1, "losses": {str(s): first[s] for s in steps}}, f, indent=2)
+      f.write("\n")
+  with open(GOLDEN_FILE, encoding="utf-8") as f:
+    golden = json.load(f)
+  assert golden["args"] == list(GOLDEN_ARGS), "GOLDEN_ARGS changed: regenerate the golden file (see module doc)"
+  assert {int(s): v for s, v in golden["losses"].items()} == first, (
+      "losses differ from end_to_end/golden/tiny_losses.json; if the change is intended, regenerate it "
+      "(see module doc)")
