@@ -1,5 +1,8 @@
 """The sharded train loop: every mesh layout equals one device, accumulation, shardings, memory, NaN stop."""
 
+import logging
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -128,3 +131,30 @@ def test_eval_rows_are_logged(tmp_path):
   assert all(np.isfinite(r["eval_loss"]) for r in evals)
   written = (tmp_path / "ev" / "metrics.jsonl").read_text()
   assert written.count("eval_loss") == 2
+
+
+class _CompileLog(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.names = []
+
+  def emit(self, record):
+    match = re.match(r"Compiling (jit\(\w+\))", record.getMessage())
+    if match:
+      self.names.append(match.group(1))
+
+
+def test_no_recompilation_after_the_first_step(tmp_path):
+  """Train, eval and checkpoint saves each compile once; later steps reuse the executables."""
+  handler = _CompileLog()
+  logger = logging.getLogger("jax._src.interpreters.pxla")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      train(make_config("model_name=tiny", "max_target_length=64", "per_device_batch_size=2", "dataset_type=synthetic",
+                        "steps=6", "eval_interval=3", "eval_steps=2", "enable_checkpointing=true", "checkpoint_period=2",
+                        "enable_tensorboard=false", f"base_output_directory={tmp_path}"), first_devices(1))
+  finally:
+    logger.removeHandler(handler)
+  assert handler.names.count("jit(train_step)") == 1, handler.names
+  assert handler.names.count("jit(eval_step)") == 1, handler.names
