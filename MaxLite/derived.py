@@ -159,6 +159,10 @@ def validate_and_derive(c: dict[str, Any], *, num_devices: int | None = None, nu
                       f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})")
 
   run_name = c["run_name"] or datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
+  if "://" in c["base_output_directory"]:
+    # Metrics and checkpoint paths go through os.path; a URL would silently become a local folder.
+    raise ConfigError(f"base_output_directory={c['base_output_directory']}: remote URLs (gs://, ...) are not "
+                      "supported yet; use a local path or a filesystem every host mounts")
   run_dir = os.path.join(c["base_output_directory"], run_name)
   schedule_steps = c["steps"] if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
   c.update(

@@ -15,3 +15,7 @@ class InputError(MaxLiteError):
 
 class CheckpointError(MaxLiteError):
   """A checkpoint is missing, unreadable or does not fit the configured model."""
+
+
+class LaunchError(MaxLiteError):
+  """A pod launch cannot start: a bad flag value, gcloud missing, or a TPU slice not found."""

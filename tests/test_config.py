@@ -111,3 +111,8 @@ def test_cli_bad_input_exits_with_one_line(args, fragment):
 def test_missing_config_file_is_clear(tmp_path):
   with pytest.raises(ConfigError, match="config file not found"):
     load_config([str(tmp_path / "nope.yml")], num_devices=1, num_slices=1, process_count=1)
+
+
+def test_remote_output_url_is_refused_not_turned_into_a_local_folder():
+  with pytest.raises(ConfigError, match=r"base_output_directory=gs://bucket/runs: remote URLs .* not supported yet"):
+    make_config("base_output_directory=gs://bucket/runs")
