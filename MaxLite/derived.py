@@ -114,16 +114,41 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
   if c["max_target_length"] % mesh["sequence"]:
     raise ConfigError(f"max_target_length={c['max_target_length']} is not divisible by sequence parallelism "
                       f"{mesh['sequence']}")
-  if mesh["stage"] > 1:
-    raise ConfigError(f"pipeline parallelism {mesh['stage']} (ici/dcn_pipeline_parallelism) is not supported yet; "
-                      "set both to 1")
+  stages, layers = mesh["stage"], c["base_num_decoder_layers"]
+  if layers % stages:
+    raise ConfigError(f"base_num_decoder_layers={layers} is not divisible by pipeline parallelism {stages} "
+                      "(ici_pipeline_parallelism x dcn_pipeline_parallelism); each stage needs the same number of layers")
+  if stages > 1 and not c["scan_layers"]:
+    raise ConfigError(f"pipeline parallelism {stages} needs scan_layers=true (stages are slices of the scanned layers)")
+  experts, top_k = c["num_experts"], c["num_experts_per_tok"]
+  if experts < 1:
+    raise ConfigError(f"num_experts must be >= 1 (1 = dense MLP), got {experts}")
+  if experts > 1 and not 1 <= top_k <= experts:
+    raise ConfigError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
+  if experts > 1 and experts % mesh["expert"]:
+    raise ConfigError(f"num_experts={experts} is not divisible by expert parallelism {mesh['expert']} "
+                      "(ici_expert_parallelism x dcn_expert_parallelism)")
+
+
+def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, batch_shards: int) -> int:
+  n = c["num_pipeline_microbatches"]
+  if n == -1:
+    n = stages
+  if n <= 0:
+    raise ConfigError(f"num_pipeline_microbatches must be positive or -1 (= number of stages), got {n}")
+  if stages > 1 and (micro_batch % n or (micro_batch // n) % batch_shards):
+    raise ConfigError(f"batch {micro_batch} cannot be split into num_pipeline_microbatches={n} microbatches that "
+                      f"each divide over the {batch_shards} batch shards; use a multiple of {n * batch_shards}")
+  return n
 
 
 def parameter_count(c: dict[str, Any]) -> int:
   """Exact number of parameters of the Llama decoder (tested against the real model)."""
   emb, mlp, d = c["base_emb_dim"], c["base_mlp_dim"], c["head_dim"]
   q, kv, vocab = c["base_num_query_heads"], c["base_num_kv_heads"], c["vocab_size"]
-  per_layer = emb * d * (2 * q + 2 * kv) + 3 * emb * mlp + 2 * emb
+  experts = c["num_experts"]
+  mlp_params = 3 * emb * mlp if experts == 1 else experts * 3 * emb * mlp + emb * experts  # + router
+  per_layer = emb * d * (2 * q + 2 * kv) + mlp_params + 2 * emb
   head = 0 if c["logits_via_embedding"] else emb * vocab
   return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
 
@@ -158,6 +183,8 @@ def validate_and_derive(c: dict[str, Any], *, num_devices: int | None = None, nu
                       f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
                       f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})")
 
+  microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
+
   run_name = c["run_name"] or datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
   if "://" in c["base_output_directory"]:
     # Metrics and checkpoint paths go through os.path; a URL would silently become a local folder.
@@ -175,6 +202,8 @@ def validate_and_derive(c: dict[str, Any], *, num_devices: int | None = None, nu
       dcn_mesh_shape=[dcn[a] for a in MESH_AXES],
       mesh_shape=[mesh[a] for a in MESH_AXES],
       batch_mesh_axes=list(batch_axes),
+      num_pipeline_stages=mesh["stage"],
+      num_pipeline_microbatches=microbatches,
       # One optimizer step sees gradient_accumulation_steps microbatches of micro_batch_size each.
       micro_batch_size=micro_batch,
       global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],

@@ -3,7 +3,8 @@
 A matmul of [m, k] x [k, n] is 2*m*k*n FLOPs; training costs 3x the forward pass (forward,
 backward w.r.t. activations, backward w.r.t. weights). Causal attention only needs the lower
 triangle of the score matrix, so its two matmuls are counted at half of the dense cost.
-Rematerialisation is not counted: this is *model* FLOPs, the numerator of MFU.
+Rematerialisation is not counted: this is *model* FLOPs, the numerator of MFU. For MoE only the
+num_experts_per_tok active experts (and the router) count.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ def training_flops_per_step(config: Config) -> dict[str, float]:
   emb, mlp, d = config.base_emb_dim, config.base_mlp_dim, config.head_dim
   q, kv, layers = config.base_num_query_heads, config.base_num_kv_heads, config.base_num_decoder_layers
   mlp_flops = 2 * tokens * emb * mlp * 3  # gate, up and down projections
+  if config.num_experts > 1:
+    # Only the experts a token is routed to do work; the one-hot dispatch/combine einsums are
+    # routing overhead, not model FLOPs.
+    mlp_flops = mlp_flops * config.num_experts_per_tok + 2 * tokens * emb * config.num_experts
   qkv_flops = 2 * tokens * emb * d * (q + 2 * kv)
   out_flops = 2 * tokens * q * d * emb
   # QK^T and PV: 2 matmuls of 2*seq*d FLOPs per token per head, halved for the causal mask.

@@ -49,4 +49,6 @@ def log_line(row: dict[str, Any]) -> str:
            f"tokens/s {row['tokens_per_s']:,.0f}", f"TFLOP/s/device {row['tflops_per_device']:.3f}"]
   if "mfu" in row:
     parts.append(f"MFU {100 * row['mfu']:.1f}%")
+  if "moe_lb_loss" in row:
+    parts.append(f"moe_lb_loss {row['moe_lb_loss']:.4f} dropped {100 * row['moe_dropped_fraction']:.1f}%")
   return " | ".join(parts)

@@ -13,8 +13,10 @@ from MaxLite.layers.attention import Attention
 from MaxLite.layers.embeddings import Embed
 from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.mlp import MlpBlock
+from MaxLite.layers.moe import MoeBlock, load_balance_loss
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.pipeline import run_pipeline
 
 EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
 
@@ -40,7 +42,8 @@ class DecoderLayer(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+    """Returns (x, aux): aux is the MoE routing statistics of this layer, None for a dense layer."""
     cfg = self.config
     norm = dict(epsilon=cfg.normalization_layer_epsilon, dtype=dtype_of(cfg.dtype),
                 weight_dtype=dtype_of(cfg.weight_dtype))
@@ -49,32 +52,65 @@ class DecoderLayer(nn.Module):
     h = Attention(cfg, name="self_attention")(h, segment_ids, positions)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
     h = RMSNorm(name="post_self_attention_norm", **norm)(x)
-    h = MlpBlock(cfg, name="mlp")(h)
+    aux = None
+    if cfg.num_experts > 1:
+      h, aux = MoeBlock(cfg, name="moe")(h, segment_ids != 0)
+    else:
+      h = MlpBlock(cfg, name="mlp")(h)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
-    return nn.with_logical_constraint(x, EMBED_ACTIVATION), None
+    return nn.with_logical_constraint(x, EMBED_ACTIVATION), aux
 
 
 class Decoder(nn.Module):
-  """The layer stack: scanned (one traced layer, params stacked on a leading `layers` axis) or unrolled."""
+  """The layer stack: scanned (one traced layer, params stacked on a leading `layers` axis), unrolled,
+  or pipelined over the `stage` mesh axis (same scanned parameters, split into stages).
+
+  Returns (x, aux): MoE routing summary {lb_loss (mean over layers), dropped, routed}, or None.
+  """
 
   config: Config
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
     layer = DecoderLayer
     if cfg.remat_policy != "none":
       layer = nn.remat(layer, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=cfg.base_num_decoder_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(cfg, self.deterministic, name="layers")(x, segment_ids, positions)
-      return x
-    for i in range(cfg.base_num_decoder_layers):
-      x, _ = layer(cfg, self.deterministic, name=f"layers_{i}")(x, segment_ids, positions)
-    return x
+    if not cfg.scan_layers:
+      auxes = []
+      for i in range(cfg.base_num_decoder_layers):
+        x, aux = layer(cfg, self.deterministic, name=f"layers_{i}")(x, segment_ids, positions)
+        auxes.append(aux)
+      return x, summarize_routing(jax.tree.map(lambda *a: jnp.stack(a), *auxes))
+    stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=cfg.base_num_decoder_layers,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    if cfg.num_pipeline_stages == 1 or self.is_initializing():
+      x, aux = stack(cfg, self.deterministic, name="layers")(x, segment_ids, positions)
+      return x, summarize_routing(aux)
+    return self._pipeline(x, segment_ids, positions)
+
+  def _pipeline(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+    cfg = self.config
+    # The parameters were created by the scanned stack above (so checkpoints are layout-independent);
+    # here each layer is applied functionally to its slice of them.
+    def layer_fn(params, h, seg, pos, rng):
+      return DecoderLayer(cfg, self.deterministic).apply({"params": params}, h, seg, pos, rngs={"dropout": rng})
+    if cfg.remat_policy != "none":
+      layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg.remat_policy))
+    rng = self.make_rng("dropout") if not self.deterministic else jax.random.key(0)
+    x, aux = run_pipeline(layer_fn, self.variables["params"]["layers"], x, segment_ids, positions, rng,
+                          stages=cfg.num_pipeline_stages, microbatches=cfg.num_pipeline_microbatches)
+    return x, summarize_routing(aux)
+
+
+def summarize_routing(per_layer: Any) -> Any:
+  """Per-layer routing sums [layers, ...] -> {lb_loss (mean over layers), dropped, routed}; None stays None."""
+  if per_layer is None:
+    return None
+  return {"lb_loss": jnp.mean(load_balance_loss(per_layer)), "dropped": jnp.sum(per_layer["dropped"]),
+          "routed": jnp.sum(per_layer["routed"])}
 
 
 class Transformer(nn.Module):
@@ -89,7 +125,9 @@ class Transformer(nn.Module):
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
     x = nn.with_logical_constraint(embed(ids), EMBED_ACTIVATION)
-    x = Decoder(cfg, self.deterministic, name="decoder")(x, segment_ids, positions)
+    x, moe_aux = Decoder(cfg, self.deterministic, name="decoder")(x, segment_ids, positions)
+    if moe_aux is not None:
+      self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
     x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="decoder_norm")(x)
     if cfg.logits_via_embedding:
       logits = embed.attend(x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -36,15 +37,44 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def describe_shardings(abstract_params: Any, logical_specs: Any, shardings: Any) -> list[str]:
-  """One line per parameter: path, shape, logical axes, mesh axes, per-device shape."""
-  lines = []
+def sharded_bytes(abstract: Any, shardings: Any) -> int:
+  """Bytes one device holds for arrays of these shapes placed with these shardings (no arrays needed)."""
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=_is_sharding)):
+    total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+  return total
+
+
+def sharding_report(abstract_params: Any, logical_specs: Any, shardings: Any) -> str:
+  """One line per parameter: path, global shape, logical axes -> mesh axes, per-device shape."""
   flat_params = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
   flat_logical = jax.tree.leaves(logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-  flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  flat_shardings = jax.tree.leaves(shardings, is_leaf=_is_sharding)
+  rows = [("parameter", "shape", "logical axes", "mesh axes", "per device")]
   for (path, leaf), logical, sharding in zip(flat_params, flat_logical, flat_shardings):
     name = "/".join(str(getattr(k, "key", k)) for k in path)
-    local = sharding.shard_shape(leaf.shape)
-    lines.append(f"{name:60s} {str(tuple(leaf.shape)):20s} {str(tuple(logical)):45s} -> "
-                 f"{str(tuple(sharding.spec)):35s} per-device {tuple(local)}")
-  return lines
+    mesh_axes = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    rows.append((name, _shape(leaf.shape), _axes(tuple(logical)), _axes(mesh_axes),
+                 _shape(sharding.shard_shape(leaf.shape))))
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+  total = sum(leaf.size * leaf.dtype.itemsize for _, leaf in flat_params)
+  lines.append(f"parameters: {total / 2**20:.2f} MiB in total, "
+               f"{sharded_bytes(abstract_params, shardings) / 2**20:.2f} MiB per device")
+  return "\n".join(lines)
+
+
+def _is_sharding(x: Any) -> bool:
+  return isinstance(x, NamedSharding)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+  return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def _axes(axes: tuple[Any, ...]) -> str:
+  def one(a: Any) -> str:
+    if a is None:
+      return "-"
+    return a if isinstance(a, str) else "+".join(a)
+  return "(" + ", ".join(one(a) for a in axes) + ")"

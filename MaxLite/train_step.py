@@ -16,16 +16,22 @@ from MaxLite.train_state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, z_loss_multiplier: float) -> tuple:
+def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
   """Summed (not averaged) losses over real tokens, so microbatches add up to the full batch exactly."""
-  logits = apply_fn({"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"],
-                    rngs={"dropout": rng})
+  logits, extra = apply_fn({"params": params}, batch["inputs"], batch["inputs_position"],
+                           batch["inputs_segmentation"], rngs={"dropout": rng}, mutable="intermediates")
   logits = logits.astype(jnp.float32)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  z_loss = z_loss_multiplier * jnp.square(jax.nn.logsumexp(logits, axis=-1))
-  xent_sum, z_sum = jnp.sum(xent * mask), jnp.sum(z_loss * mask)
-  return xent_sum + z_sum, {"xent_sum": xent_sum, "z_sum": z_sum, "tokens": jnp.sum(mask)}
+  z_loss = config.z_loss_multiplier * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+  tokens = jnp.sum(mask)
+  sums = {"xent_sum": jnp.sum(xent * mask), "z_sum": jnp.sum(z_loss * mask), "tokens": tokens}
+  if "moe" in extra.get("intermediates", {}):
+    moe = extra["intermediates"]["moe"][0]
+    # Token-weighted like the other terms, so gradient accumulation and sharding leave it unchanged.
+    sums.update(moe_lb_sum=moe["lb_loss"] * tokens, moe_dropped=moe["dropped"], moe_routed=moe["routed"])
+  total = sums["xent_sum"] + sums["z_sum"] + config.load_balance_loss_weight * sums.get("moe_lb_sum", 0.0)
+  return total, sums
 
 
 def _microbatches(batch: Batch, n: int) -> Batch:
@@ -37,18 +43,20 @@ def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) 
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
   n = config.gradient_accumulation_steps
   if n == 1:
-    (_, aux), grads = grad_fn(state.params, state.apply_fn, batch, rng, config.z_loss_multiplier)
+    (_, aux), grads = grad_fn(state.params, state.apply_fn, batch, rng, config)
     return grads, aux
 
   def accumulate(carry, micro):
     grads_acc, aux_acc, i = carry
-    (_, aux), grads = grad_fn(state.params, state.apply_fn, micro, jax.random.fold_in(rng, i),
-                              config.z_loss_multiplier)
+    (_, aux), grads = grad_fn(state.params, state.apply_fn, micro, jax.random.fold_in(rng, i), config)
     return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, aux_acc, aux), i + 1), None
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
-  aux0 = {"xent_sum": jnp.zeros(()), "z_sum": jnp.zeros(()), "tokens": jnp.zeros(())}
-  (grads, aux, _), _ = jax.lax.scan(accumulate, (zeros, aux0, 0), _microbatches(batch, n))
+  micros = _microbatches(batch, n)
+  aux_shape = jax.eval_shape(lambda: grad_fn(state.params, state.apply_fn, jax.tree.map(lambda v: v[0], micros),
+                                              rng, config)[0][1])
+  aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
+  (grads, aux, _), _ = jax.lax.scan(accumulate, (zeros, aux0, 0), micros)
   return grads, aux
 
 
@@ -60,17 +68,20 @@ def train_step(state: TrainState, batch: Batch, *, config: Config) -> tuple[Trai
   grad_norm = optax.global_norm(grads)
   new_state = state.apply_gradients(grads=grads)
   metrics = {
-      "loss": (aux["xent_sum"] + aux["z_sum"]) / tokens,
+      "loss": (aux["xent_sum"] + aux["z_sum"] + config.load_balance_loss_weight * aux.get("moe_lb_sum", 0.0)) / tokens,
       "z_loss": aux["z_sum"] / tokens,
       "grad_norm": grad_norm,
       "learning_rate": learning_rate_schedule(config)(state.step),
       "tokens": aux["tokens"],
   }
+  if "moe_lb_sum" in aux:
+    metrics["moe_lb_loss"] = aux["moe_lb_sum"] / tokens
+    metrics["moe_dropped_fraction"] = aux["moe_dropped"] / jnp.maximum(aux["moe_routed"], 1.0)
   return new_state, metrics
 
 
 def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> dict:
-  _, aux = loss_sums(params, apply_fn, batch, jax.random.key(0), config.z_loss_multiplier)
+  _, aux = loss_sums(params, apply_fn, batch, jax.random.key(0), config)
   return aux
 
 

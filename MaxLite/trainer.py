@@ -100,6 +100,9 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
+  if config.print_sharding and jax.process_index() == 0:
+    abstract, logical, shardings = abstract_state(model, tx, config, mesh)
+    print(sharding_lib.sharding_report(abstract.params, logical.params, shardings.params), flush=True)
   manager = checkpointing.create_manager(config)
   batches = input_pipeline.make_iterator(config, mesh, "train")
   try:
@@ -138,6 +141,9 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
            "tflops_per_device": tflops_per_device / step_time}
     if config.z_loss_multiplier:
       row["z_loss"] = values["z_loss"]
+    for key in ("moe_lb_loss", "moe_dropped_fraction"):
+      if key in values:
+        row[key] = values[key]
     if config.peak_tflops_per_device > 0:
       row["mfu"] = row["tflops_per_device"] / config.peak_tflops_per_device
     if step % config.log_period == 0 or step == config.steps:

@@ -21,10 +21,11 @@ def test_every_shipped_model_config_loads():
 
 
 def test_known_parameter_counts():
-  # Published sizes: Llama 2 7B has 6.74B parameters, Llama 3 8B 8.03B, Llama 2 70B 68.98B.
+  # Published sizes: Llama 2 7B has 6.74B parameters, Llama 3 8B 8.03B, Llama 2 70B 68.98B, Mixtral 46.70B.
   assert abs(make_config("model_name=llama2-7b").num_params / 1e9 - 6.738) < 0.01
   assert abs(make_config("model_name=llama3-8b").num_params / 1e9 - 8.030) < 0.01
   assert abs(make_config("model_name=llama2-70b").num_params / 1e9 - 68.977) < 0.01
+  assert abs(make_config("model_name=mixtral-8x7b").num_params / 1e9 - 46.703) < 0.01  # Mixtral 8x7B: 46.70B
 
 
 def test_overrides_are_typed_from_defaults():

@@ -31,12 +31,12 @@ def _init(config, batch):
 
 
 def _loss_and_grads(config, params, batch):
-  fn = jax.value_and_grad(lambda p: loss_sums(p, Transformer(config).apply, batch, jax.random.key(0), 0.0)[0])
+  fn = jax.value_and_grad(lambda p: loss_sums(p, Transformer(config).apply, batch, jax.random.key(0), config)[0])
   return jax.jit(fn)(params)
 
 
 def test_parameter_count_formula_matches_model():
-  for overrides in (["model_name=tiny"], ["model_name=tiny", "logits_via_embedding=true"]):
+  for overrides in (["model_name=tiny"], ["model_name=tiny", "logits_via_embedding=true"], ["model_name=tiny-moe"]):
     config = make_config(*overrides, f"max_target_length={SEQ}")
     params = _init(config, _batch())
     assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params

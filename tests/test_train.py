@@ -66,19 +66,20 @@ def _state_on(config, n):
 
 
 # Expected mesh placement of each parameter under base.yml's rules with fsdp=4 x tensor=2,
-# written out by hand from the rules: embed -> fsdp, heads/mlp/vocab -> tensor, layers/norm/kv -> replicated.
+# written out by hand from the rules: embed -> fsdp, heads/mlp/vocab -> tensor, layers -> stage (size 1
+# here), norm/kv -> replicated.
 FS = ("fsdp", "sequence")  # the 'embed' rule: fsdp and sequence together (sequence=1 here)
 EXPECTED_SPECS = {
     "token_embedder/embedding": ("tensor", FS),
-    "decoder/layers/self_attention/query/kernel": (None, FS, "tensor", None),
-    "decoder/layers/self_attention/key/kernel": (None, FS, "tensor", None),
-    "decoder/layers/self_attention/value/kernel": (None, FS, "tensor", None),
-    "decoder/layers/self_attention/out/kernel": (None, "tensor", None, FS),
-    "decoder/layers/mlp/wi_0/kernel": (None, FS, "tensor"),
-    "decoder/layers/mlp/wi_1/kernel": (None, FS, "tensor"),
-    "decoder/layers/mlp/wo/kernel": (None, "tensor", FS),
-    "decoder/layers/pre_self_attention_norm/scale": (None, None),
-    "decoder/layers/post_self_attention_norm/scale": (None, None),
+    "decoder/layers/self_attention/query/kernel": ("stage", FS, "tensor", None),
+    "decoder/layers/self_attention/key/kernel": ("stage", FS, "tensor", None),
+    "decoder/layers/self_attention/value/kernel": ("stage", FS, "tensor", None),
+    "decoder/layers/self_attention/out/kernel": ("stage", "tensor", None, FS),
+    "decoder/layers/mlp/wi_0/kernel": ("stage", FS, "tensor"),
+    "decoder/layers/mlp/wi_1/kernel": ("stage", FS, "tensor"),
+    "decoder/layers/mlp/wo/kernel": ("stage", "tensor", FS),
+    "decoder/layers/pre_self_attention_norm/scale": ("stage", None),
+    "decoder/layers/post_self_attention_norm/scale": ("stage", None),
     "decoder_norm/scale": (None,),
     "logits_dense/kernel": (FS, "tensor"),
 }

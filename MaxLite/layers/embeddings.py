@@ -25,7 +25,11 @@ class Embed(nn.Module):
                                 (self.num_embeddings, self.features), self.weight_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    return jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
+    # Gather the table's embed dimension first (as FSDP does for every weight): a lookup from a
+    # table split along embed would otherwise need an all-to-all GSPMD cannot do without
+    # replicating the whole output.
+    table = nn.with_logical_constraint(jnp.asarray(self.embedding, self.dtype), ("vocab", None))
+    return jnp.take(table, ids, axis=0)
 
   def attend(self, x: jax.Array) -> jax.Array:
     return jnp.einsum("bse,ve->bsv", x, jnp.asarray(self.embedding, self.dtype))

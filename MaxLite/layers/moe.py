@@ -1,0 +1,107 @@
+"""Mixtral-style sparse mixture of SwiGLU experts with top-k routing and a per-sequence capacity.
+
+Routing is done with dense one-hot dispatch/combine tensors (GShard style) so that the whole block
+is einsums that GSPMD can shard: experts on the `expert` mesh axis, the dispatched tokens follow.
+Capacity is counted per sequence (one group = one batch row), so the result never depends on how
+the batch is sharded. Padding tokens (segment id 0) are not routed at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxLite.config import Config
+from MaxLite.layers.linears import DenseGeneral
+from MaxLite.layers.quantities import dtype_of
+
+# Dispatched activations: [experts, batch, capacity, features]. Their batch must not use the expert
+# mesh axis, which the experts dimension already occupies.
+EXPERT_ACTIVATION = ("activation_exp", "activation_batch_no_exp", None, "activation_embed")
+EXPERT_HIDDEN = ("activation_exp", "activation_batch_no_exp", None, "activation_mlp")
+
+
+def expert_capacity(seq_len: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+  """Slots per expert per sequence; capacity_factor <= 0 means no token is ever dropped."""
+  if capacity_factor <= 0:
+    return seq_len  # top-k choices of one token are distinct experts, so an expert sees <= seq_len tokens
+  return max(1, min(seq_len, math.ceil(seq_len * top_k * capacity_factor / num_experts)))
+
+
+def load_balance_loss(stats: dict) -> jax.Array:
+  """num_experts * sum_e f_e * P_e (Switch Transformer) from one layer's routing sums.
+
+  f_e = share of all top-k assignments that picked expert e, P_e = mean router probability of e over
+  real tokens. 1 when routing is perfectly balanced; it grows as some experts are favoured. Built
+  from sums so it is the same however the batch was split (shards, pipeline microbatches).
+  """
+  assigned, prob_sum = stats["assigned"], stats["prob_sum"]
+  share = assigned / jnp.maximum(jnp.sum(assigned, axis=-1, keepdims=True), 1.0)
+  mean_prob = prob_sum / jnp.maximum(stats["tokens"], 1.0)[..., None]
+  return assigned.shape[-1] * jnp.sum(share * mean_prob, axis=-1)
+
+
+def route(router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity: int) -> tuple:
+  """Top-k softmax routing -> (dispatch [b,s,e,c] 0/1, combine [b,s,e,c] weights, routing sums).
+
+  The routing sums (per expert: assignments and router probability over real tokens; tokens,
+  routed and dropped assignments) add up across shards and microbatches; see load_balance_loss.
+
+  A token's k-th choice competes for slots after every token's (k-1)-th choice (earlier choices
+  have priority), and within one rank earlier positions in the sequence win.
+  """
+  b, s, e = router_logits.shape
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)  # [b, s, k]
+  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # Mixtral renormalises the chosen k
+  choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
+  by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * s, e)
+  slot = (jnp.cumsum(by_rank, axis=1) - 1.0) * by_rank  # 0-based slot in the chosen expert
+  kept = by_rank * (slot < capacity)
+  slot_one_hot = jax.nn.one_hot(slot.astype(jnp.int32), capacity, dtype=jnp.float32) * kept[..., None]
+  per_rank = jnp.swapaxes(slot_one_hot.reshape(b, top_k, s, e, capacity), 1, 2)  # [b, s, k, e, c]
+  dispatch = jnp.sum(per_rank, axis=2)
+  combine = jnp.einsum("bsk,bskec->bsec", weights, per_rank)
+  routed = jnp.sum(choice)
+  stats = {"assigned": jnp.sum(choice, axis=(0, 1, 2)), "prob_sum": jnp.sum(probs * token_mask[..., None], axis=(0, 1)),
+           "tokens": jnp.sum(token_mask), "routed": routed, "dropped": routed - jnp.sum(kept)}
+  return dispatch, combine, stats
+
+
+class MoeBlock(nn.Module):
+  """x [b, s, embed], token_mask [b, s] -> (y [b, s, embed], routing sums; see route)."""
+
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, dict]:
+    cfg = self.config
+    dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
+    n, emb, mlp = cfg.num_experts, cfg.base_emb_dim, cfg.base_mlp_dim
+    router_logits = DenseGeneral(n, ("embed", None), dtype=dtype, weight_dtype=wdtype,
+                                 init_scale=cfg.param_init_scale, name="gate")(x)
+    capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
+    dispatch, combine, aux = route(router_logits, token_mask.astype(jnp.float32), cfg.num_experts_per_tok,
+                                   capacity)
+
+    def kernel(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+      init = nn.initializers.variance_scaling(cfg.param_init_scale, "fan_in", "truncated_normal",
+                                              in_axis=1, out_axis=2, batch_axis=(0,))
+      return jnp.asarray(self.param(name, nn.with_logical_partitioning(init, axes), shape, wdtype), dtype)
+
+    wi_0 = kernel("wi_0", (n, emb, mlp), ("exp", "embed", "mlp"))
+    wi_1 = kernel("wi_1", (n, emb, mlp), ("exp", "embed", "mlp"))
+    wo = kernel("wo", (n, mlp, emb), ("exp", "mlp", "embed"))
+
+    tokens = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(dtype), x.astype(dtype))
+    tokens = nn.with_logical_constraint(tokens, EXPERT_ACTIVATION)
+    gate = jnp.einsum("ebcd,edm->ebcm", tokens, wi_0)
+    up = jnp.einsum("ebcd,edm->ebcm", tokens, wi_1)
+    hidden = nn.with_logical_constraint(checkpoint_name(nn.silu(gate) * up, "mlpwi"), EXPERT_HIDDEN)
+    out = nn.with_logical_constraint(jnp.einsum("ebcm,emd->ebcd", hidden, wo), EXPERT_ACTIVATION)
+    y = jnp.einsum("ebcd,bsec->bsd", out, combine.astype(dtype))
+    return checkpoint_name(y, "mlpwo"), aux

@@ -1,0 +1,195 @@
+"""Tensor, sequence, expert and pipeline parallelism: every layout trains like one device; MoE routing math."""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.linen import partitioning as nn_partitioning
+
+from conftest import BASE_YML, REPO, first_devices, make_config
+from MaxLite import sharding as sharding_lib
+from MaxLite.errors import ConfigError
+from MaxLite.flops import training_flops_per_step
+from MaxLite.layers.moe import MoeBlock, expert_capacity, load_balance_loss, route
+from MaxLite.mesh import create_mesh
+from MaxLite.model import Transformer
+from MaxLite.optimizer import create_optimizer
+from MaxLite.train_state import abstract_state
+from MaxLite.trainer import train
+
+RUN = ("max_target_length=64", "steps=3", "dataset_type=synthetic", "enable_tensorboard=false",
+       "learning_rate=1e-2", "warmup_steps_fraction=0.0")
+# The tiny model with 8 query and 8 kv heads, so that tensor=8 can split them.
+DENSE = ("model_name=tiny", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")
+MOE = ("model_name=tiny-moe",)
+
+
+def _run(tmp_path, num_devices, *overrides):
+  config = make_config(*RUN, f"base_output_directory={tmp_path}", "run_name=run", *overrides,
+                       num_devices=num_devices)
+  rows = train(config, first_devices(num_devices))
+  return rows
+
+
+def _losses(rows):
+  return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def dense_reference(tmp_path_factory):
+  return _losses(_run(tmp_path_factory.mktemp("dense"), 1, *DENSE, "per_device_batch_size=8"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+  return _losses(_run(tmp_path_factory.mktemp("moe"), 1, *MOE, "per_device_batch_size=8"))
+
+
+@pytest.mark.parametrize("mesh", [
+    ("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"),
+    ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+    ("ici_pipeline_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+     "num_pipeline_microbatches=4"),
+], ids=["tensor8", "sequence4_fsdp2", "stage2_fsdp4", "stage2_tensor2_data2", "data2_fsdp2_tensor2",
+        "stage2_fsdp2_tensor2_micro4"])
+def test_dense_layouts_match_single_device(tmp_path, dense_reference, mesh):
+  losses, grad_norms = _losses(_run(tmp_path, 8, *DENSE, "per_device_batch_size=1", *mesh))
+  np.testing.assert_allclose(losses, dense_reference[0], rtol=1e-5)
+  np.testing.assert_allclose(grad_norms, dense_reference[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [
+    ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"),
+], ids=["expert4_fsdp2", "stage2_expert2_fsdp2"])
+def test_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
+  rows = _run(tmp_path, 8, *MOE, "per_device_batch_size=1", *mesh)
+  losses, grad_norms = _losses(rows)
+  np.testing.assert_allclose(losses, moe_reference[0], rtol=1e-5)
+  np.testing.assert_allclose(grad_norms, moe_reference[1], rtol=1e-5)
+  assert all(r["moe_dropped_fraction"] == 0.0 for r in rows)  # capacity_factor=-1: nothing dropped
+
+
+# Router probabilities of 4 tokens over 3 experts (no ties), given as logits = log(p).
+PROBS = np.array([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.15, 0.8, 0.05], [0.25, 0.15, 0.6]], np.float32)
+
+
+def _route(top_k, capacity, mask=(1, 1, 1, 1)):
+  return route(jnp.log(jnp.asarray(PROBS))[None], jnp.asarray([mask], jnp.float32), top_k, capacity)
+
+
+def test_load_balance_loss_matches_hand_computation():
+  # Top-1 picks experts 0, 0, 1, 2: f = (1/2, 1/4, 1/4). Mean probabilities P = column means of
+  # PROBS = (0.425, 0.3625, 0.2125). Loss = 3 * (0.5*0.425 + 0.25*0.3625 + 0.25*0.2125) = 1.06875.
+  _, _, stats = _route(top_k=1, capacity=4)
+  np.testing.assert_allclose(load_balance_loss(stats), 1.06875, rtol=1e-6)
+  # The last token is padding: f = (2/3, 1/3, 0), P = (1.45/3, 1.3/3, 0.3/3) over 3 tokens.
+  _, _, stats = _route(top_k=1, capacity=4, mask=(1, 1, 1, 0))
+  np.testing.assert_allclose(load_balance_loss(stats), 3 * (2 / 3 * 1.45 / 3 + 1 / 3 * 1.3 / 3), rtol=1e-6)
+  assert float(stats["routed"]) == 3 and float(stats["dropped"]) == 0
+
+
+def test_small_capacity_drops_later_choices_first_and_counts_them():
+  # Top-2 with 2 slots per expert. First choices: e0 <- t0, t1; e1 <- t2; e2 <- t3. Second choices in
+  # token order: t0 -> e1 (slot 1, kept), t1 -> e1 (full, dropped), t2 -> e0 (full), t3 -> e0 (full).
+  dispatch, combine, stats = _route(top_k=2, capacity=2)
+  assert float(stats["routed"]) == 8 and float(stats["dropped"]) == 3
+  slots = {(t, e): int(np.argmax(dispatch[0, t, e])) for t in range(4) for e in range(3) if dispatch[0, t, e].sum()}
+  assert slots == {(0, 0): 0, (1, 0): 1, (2, 1): 0, (0, 1): 1, (3, 2): 0}
+  # Kept choices are weighted by the renormalised top-2 probabilities; dropped ones contribute nothing.
+  np.testing.assert_allclose(combine[0, 0].sum(axis=-1), [0.7 / 0.9, 0.2 / 0.9, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(combine[0, 1].sum(axis=-1), [0.6 / 0.9, 0.0, 0.0], rtol=1e-6)
+  assert expert_capacity(seq_len=64, num_experts=4, top_k=2, capacity_factor=0.25) == 8
+  assert expert_capacity(seq_len=64, num_experts=4, top_k=2, capacity_factor=-1) == 64
+
+
+def test_moe_block_equals_per_token_loop():
+  config = make_config(*MOE, "max_target_length=16")
+  x = jax.random.normal(jax.random.key(1), (2, 16, 64))
+  mask = jnp.ones((2, 16), bool)
+  block = MoeBlock(config)
+  params = nn.unbox(block.init(jax.random.key(0), x, mask)["params"])
+  y, _ = block.apply({"params": params}, x, mask)
+  probs = jax.nn.softmax(x @ params["gate"]["kernel"], axis=-1)
+  expected = np.zeros_like(np.asarray(y))
+  for b in range(2):
+    for s in range(16):
+      weights, experts = jax.lax.top_k(probs[b, s], 2)
+      for w, e in zip(weights / weights.sum(), experts):
+        hidden = nn.silu(x[b, s] @ params["wi_0"][e]) * (x[b, s] @ params["wi_1"][e])
+        expected[b, s] += w * (hidden @ params["wo"][e])
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_capacity_reports_dropped_tokens(tmp_path):
+  rows = _run(tmp_path, 1, *MOE, "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
+  assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
+  logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [r["moe_dropped_fraction"] for r in logged] == [r["moe_dropped_fraction"] for r in rows]
+  assert all(r["moe_lb_loss"] >= 1.0 - 1e-6 for r in logged)  # 1 is the balanced minimum
+
+
+def test_moe_flops_count_only_active_experts():
+  moe = make_config(*MOE, "max_target_length=64")
+  dense = make_config(*MOE, "max_target_length=64", "num_experts=1")
+  tokens, emb, mlp = moe.global_batch_size_to_train_on * 64, 64, 96
+  # 2 of 4 experts run per token (2x the dense MLP) plus the router's [emb, 4] matmul; x3 for training.
+  extra = 3 * moe.base_num_decoder_layers * (2 * tokens * emb * mlp * 3 + 2 * tokens * emb * 4)
+  assert training_flops_per_step(moe)["total"] - training_flops_per_step(dense)["total"] == extra
+
+
+def _layer_stack_bytes(*overrides):
+  config = make_config(*DENSE, "base_num_decoder_layers=4", "per_device_batch_size=1", *overrides, num_devices=8)
+  mesh = create_mesh(config, first_devices(8))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    abstract, _, shardings = abstract_state(Transformer(config), create_optimizer(config), config, mesh)
+  layers = lambda tree: tree.params["decoder"]["layers"]
+  return sharding_lib.sharded_bytes(layers(abstract), layers(shardings))
+
+
+def test_two_stages_halve_the_layer_stack_per_device():
+  one = _layer_stack_bytes("ici_fsdp_parallelism=4", "ici_data_parallelism=2")
+  two = _layer_stack_bytes("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2")
+  print(f"layer stack bytes per device: stage=1 {one}, stage=2 {two}")
+  assert two * 2 == one
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (("ici_pipeline_parallelism=4", "base_num_decoder_layers=6"),
+     "base_num_decoder_layers=6 is not divisible by pipeline parallelism 4"),
+    (("ici_pipeline_parallelism=2", "scan_layers=false"), "pipeline parallelism 2 needs scan_layers=true"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"), "num_pipeline_microbatches=3"),
+    (MOE + ("ici_expert_parallelism=8",), "num_experts=4 is not divisible by expert parallelism 8"),
+    (MOE + ("num_experts_per_tok=5",), "num_experts_per_tok=5 must be between 1 and num_experts=4"),
+    (("ici_sequence_parallelism=8", "max_target_length=100"),
+     "max_target_length=100 is not divisible by sequence parallelism 8"),
+])
+def test_invalid_layouts_fail_with_one_line(overrides, fragment):
+  with pytest.raises(ConfigError, match=fragment) as error:
+    make_config("model_name=tiny", "ici_fsdp_parallelism=-1", *overrides, num_devices=8)
+  assert "\n" not in str(error.value)
+
+
+def test_print_sharding_from_the_command_line(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "MaxLite", "train.py"), BASE_YML, *MOE, "steps=1", "print_sharding=true",
+       "dataset_type=synthetic", "max_target_length=32", "per_device_batch_size=1", "ici_fsdp_parallelism=2",
+       "ici_expert_parallelism=4", "enable_tensorboard=false", "jax_cache_dir=", f"base_output_directory={tmp_path}"],
+      capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+  # Experts split 4 ways on `expert`, embed 2 ways on `fsdp` (+ sequence, size 1): (2, 4, 64, 96) -> (2, 1, 32, 96).
+  wi_0 = lines["decoder/layers/moe/wi_0"]
+  assert "(layers, exp, embed, mlp)" in wi_0 and "(stage, expert, fsdp+sequence, tensor)" in wi_0
+  assert wi_0.rstrip().endswith("(2, 1, 32, 96)")
+  assert "MiB per device" in proc.stdout
