@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install MaxLite's dependencies into the current Python environment.
 #   DEVICE=cpu (default) | tpu | gpu   which jax backend to install
+#   AOT=1 (default) | 0   also fetch libtpu into .deps/libtpu for train_compile.py (compile for TPU
+#                         topologies on this machine; kept off the import path so CPU runs stay quiet)
 #   MODE=pinned (default) | stable | nightly
 #     pinned:  the versions in requirements.txt (tested together)
 #     stable:  the newest releases of the same packages
@@ -38,6 +40,16 @@ case "$MODE" in
   *) echo "error: MODE=$MODE is not one of pinned, stable, nightly" >&2; exit 2 ;;
 esac
 pip_install -r requirements-test.txt
+
+if [[ "${AOT:-1}" == 1 && "$DEVICE" != tpu ]]; then
+  # The libtpu build this jax release asks for (its `tpu` extra), as a plain directory.
+  LIBTPU_SPEC="$("$PYTHON" -c 'import importlib.metadata as m, re; print(next(re.sub(r";.*", "", r).replace(" ", "") for r in m.requires("jax") if r.startswith("libtpu")))')"
+  if [[ ! -f .deps/libtpu/libtpu/libtpu.so ]] || ! grep -qx "$LIBTPU_SPEC" .deps/libtpu/.spec 2>/dev/null; then
+    rm -rf .deps/libtpu
+    pip_install --no-deps --target .deps/libtpu "$LIBTPU_SPEC"
+    echo "$LIBTPU_SPEC" > .deps/libtpu/.spec
+  fi
+fi
 
 "$PYTHON" - <<'PY'
 import jax

@@ -44,7 +44,9 @@ def _unbox(tree: Any) -> Any:
 def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh):
   """(unboxed abstract state, logical PartitionSpecs, NamedShardings), all with the state's tree structure."""
   init = functools.partial(_init_state, model, tx, config)
-  boxed = jax.eval_shape(init, jax.random.key(config.init_weights_seed))
+  # The key is made inside eval_shape: nothing runs on a device, so this also works for an AOT
+  # target whose devices cannot execute anything.
+  boxed = jax.eval_shape(lambda: init(jax.random.key(config.init_weights_seed)))
   logical = nn.get_partition_spec(boxed)
   return _unbox(boxed), logical, logical_to_sharding(logical, mesh, config)
 

@@ -112,8 +112,10 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
     if manager is not None:
       manager.close()
     raise
-  logging.info("memory per device: params %.1f MiB, optimizer state %.1f MiB",
-               bytes_per_device(state.params) / 2**20, bytes_per_device(state.opt_state) / 2**20)
+  params_bytes = bytes_per_device(state.params)
+  # Gradients are created inside the step with the parameters' shardings and dtype.
+  logging.info("memory per device: params %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB",
+               params_bytes / 2**20, params_bytes / 2**20, bytes_per_device(state.opt_state) / 2**20)
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
   eval_fn = None

@@ -114,6 +114,13 @@ def test_fsdp_divides_param_and_optimizer_memory_by_eight():
   per_device = bytes_per_device((eight.params, eight.opt_state))
   print(f"params+optimizer bytes: 1 device {total}, fsdp=8 per device {per_device} (ratio {total / per_device:.3f})")
   assert abs(per_device / (total / 8) - 1) < 0.03
+  # The shape-only estimate (used by train_compile and print_sharding) agrees with the live shards.
+  config = make_config(*overrides, "per_device_batch_size=1", "ici_fsdp_parallelism=8", num_devices=8)
+  mesh = create_mesh(config, first_devices(8))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    abstract, _, shardings = abstract_state(Transformer(config), create_optimizer(config), config, mesh)
+  assert sharding_lib.sharded_bytes((abstract.params, abstract.opt_state), (shardings.params, shardings.opt_state)) \
+      == per_device
 
 
 def test_non_finite_loss_stops_with_the_step(tmp_path):

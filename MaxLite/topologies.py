@@ -1,0 +1,94 @@
+"""Named compile targets (v5p-128, v5e-16, cpu-8, ...): device layout and the chip's HBM and peak FLOP/s.
+
+TPU names follow Cloud TPU: v4-N and v5p-N count TensorCores (2 per chip, one JAX device per chip
+in megacore mode), v5e-N and v6e-N count chips (one core each). The chip numbers are the public
+per-chip specifications (HBM capacity, dense bf16 peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from MaxLite.errors import ConfigError
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  family: str
+  cores_per_chip: int  # how many of the N in "<family>-N" one chip accounts for
+  dims: int  # 3 = 3D torus (v4, v5p), 2 = 2D (v5e, v6e)
+  hbm_bytes: int
+  peak_bf16_tflops: float
+  chip_config_name: str | None  # libtpu's name for the per-device layout
+
+
+CHIPS = {
+    "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore"),
+    "v5p": Chip("v5p", 2, 3, 95 * GiB, 459.0, "megacore"),
+    "v5e": Chip("v5e", 1, 2, 16 * GiB, 197.0, None),
+    "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  name: str
+  platform: str  # "tpu" or "cpu"
+  num_devices: int  # per slice
+  topology_name: str  # libtpu's "<family>:AxBxC" ("" for cpu)
+  chip: Chip | None
+
+
+def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
+  """The slice shape Cloud TPU uses for `chips` chips: 3D 4 -> 2x2x1, 8 -> 2x2x2, 16 -> 2x2x4,
+  64 -> 4x4x4, 128 -> 4x4x8; 2D 16 -> 4x4, 32 -> 4x8. Grows by doubling the smallest side."""
+  shape = [2, 2, 1] if dims == 3 else [1, 1]
+  if dims == 3 and chips < 4:
+    raise ConfigError(f"{chips} chips: the smallest 3D slice has 4 chips (v4-8 / v5p-8)")
+  size = 4 if dims == 3 else 1
+  while size < chips:
+    smallest = min(shape)
+    last = max(i for i, s in enumerate(shape) if s == smallest)
+    shape[last] *= 2
+    size *= 2
+  if size != chips:
+    raise ConfigError(f"{chips} chips is not a power-of-two slice")
+  return tuple(shape)
+
+
+def parse(name: str) -> Target:
+  """'v5p-128' | 'v5e-16' | 'v4-8' | 'v6e-256' | 'cpu-8' -> Target."""
+  match = re.fullmatch(r"(v4|v5p|v5e|v6e|cpu)-(\d+)", name)
+  if not match:
+    raise ConfigError(f"compile_topology={name!r} is not one of v4-N, v5p-N, v5e-N, v6e-N (Cloud TPU names, "
+                      "e.g. v5p-128) or cpu-N")
+  family, n = match.group(1), int(match.group(2))
+  if family == "cpu":
+    if n < 1:
+      raise ConfigError(f"compile_topology={name!r}: cpu-N needs N >= 1")
+    return Target(name, "cpu", n, "", None)
+  chip = CHIPS[family]
+  if n % chip.cores_per_chip:
+    raise ConfigError(f"compile_topology={name!r}: {family}-N counts {chip.cores_per_chip} cores per chip, "
+                      f"so N must be a multiple of {chip.cores_per_chip}")
+  chips = n // chip.cores_per_chip
+  grid = chip_grid(chips, chip.dims)
+  return Target(name, "tpu", chips, f"{family}:{'x'.join(map(str, grid))}", chip)
+
+
+def find_libtpu(repo_root: str) -> str | None:
+  """libtpu.so from TPU_LIBRARY_PATH, setup.sh's .deps/libtpu, or an installed `libtpu` package."""
+  candidates = [os.environ.get("TPU_LIBRARY_PATH", ""),
+                os.path.join(repo_root, ".deps", "libtpu", "libtpu", "libtpu.so")]
+  for path in candidates:
+    if path and os.path.isfile(path):
+      return path
+  try:
+    import libtpu  # pylint: disable=import-outside-toplevel
+    return libtpu.get_library_path()
+  except ImportError:
+    return None
