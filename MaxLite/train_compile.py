@@ -38,6 +38,11 @@ def prepare_backend(target: topologies.Target, repo: str = REPO) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"  # the host backend only: no attempt to open a local TPU
   if libtpu is not None:
     os.environ["TPU_LIBRARY_PATH"] = libtpu
+    # Without these, libtpu probes the cloud metadata server for a local TPU and logs errors when it
+    # finds none; compiling for a named topology needs no local TPU.
+    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", target.name),
+                       ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+      os.environ.setdefault(key, value)
   else:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={target.num_devices}")

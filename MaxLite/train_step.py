@@ -22,8 +22,11 @@ def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: 
                            batch["inputs_segmentation"], rngs={"dropout": rng}, mutable="intermediates")
   logits = logits.astype(jnp.float32)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  z_loss = config.z_loss_multiplier * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+  # One log-sum-exp over the vocabulary serves both the cross-entropy and the z-loss.
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+  xent = log_z - target_logit
+  z_loss = config.z_loss_multiplier * jnp.square(log_z)
   tokens = jnp.sum(mask)
   sums = {"xent_sum": jnp.sum(xent * mask), "z_sum": jnp.sum(z_loss * mask), "tokens": tokens}
   if "moe" in extra.get("intermediates", {}):

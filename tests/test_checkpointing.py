@@ -52,19 +52,24 @@ def _copy_run(tmp_path, source, target):
 
 
 def test_resharding_restore(tmp_path):
-  """Saved under fsdp=8; resumed under fsdp=2 x tensor=4 and on 1 device; next losses match."""
+  """Saved under fsdp=8; resumed under fsdp=2 x tensor=4, pipeline stage=2 x fsdp=4 and on 1 device."""
   # 4 kv heads so that tensor=4 splits them evenly.
   args = (*BASE, "dataset_type=grain", "base_num_kv_heads=4", f"base_output_directory={tmp_path}")
   on8 = lambda *o: make_config(*args, "per_device_batch_size=1", "ici_fsdp_parallelism=8", *o, num_devices=8)
   straight = losses(train(on8("run_name=a", "steps=6"), first_devices(8)))
   train(on8("run_name=b", "steps=4", "enable_checkpointing=true"), first_devices(8))
   _copy_run(tmp_path, "b", "c")
+  _copy_run(tmp_path, "b", "d")
   resumed = train(make_config(*args, "per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=4",
                                "run_name=b", "steps=6", "enable_checkpointing=true", num_devices=8), first_devices(8))
   np.testing.assert_allclose(losses(resumed), straight[4:], rtol=1e-5)
   one_device = train(make_config(*args, "per_device_batch_size=8", "run_name=c", "steps=6", "enable_checkpointing=true"),
                      first_devices(1))
   np.testing.assert_allclose(losses(one_device), straight[4:], rtol=1e-5)
+  # The pipeline keeps the scanned parameter layout, so the same checkpoint loads split into stages.
+  staged = train(make_config(*args, "per_device_batch_size=1", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+                             "run_name=d", "steps=6", "enable_checkpointing=true", num_devices=8), first_devices(8))
+  np.testing.assert_allclose(losses(staged), straight[4:], rtol=1e-5)
 
 
 def test_params_only_load_gives_source_eval_loss(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import flax.linen as nn
@@ -44,5 +45,11 @@ class DenseGeneral(nn.Module):
                         kernel_shape, self.weight_dtype)
     kernel = jnp.asarray(kernel, self.dtype)
     x = jnp.asarray(x, self.dtype)
+    if axis == tuple(range(x.ndim - n_in, x.ndim)):
+      # Contracting the trailing dims: one 2D matmul [rows, in] x [in, out]. XLA's CPU backend runs
+      # the backward pass of this form about twice as fast as the same dot with 3D operands.
+      rows = x.shape[:x.ndim - n_in]
+      y = jnp.dot(x.reshape(-1, math.prod(in_dims)), kernel.reshape(math.prod(in_dims), -1))
+      return y.reshape(*rows, *features)
     contract = (axis, tuple(range(n_in)))
     return jax.lax.dot_general(x, kernel, (contract, ((), ())))
