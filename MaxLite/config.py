@@ -10,6 +10,7 @@ reads a single object and never recomputes them.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -175,7 +176,42 @@ def load_raw(argv: Sequence[str]) -> dict[str, Any]:
       raise ConfigError(f"unknown model_name {model_name!r}; available: default, {', '.join(available_models())}")
     _merge(config, _read_yaml(model_path), f"from {model_path}", defaults)
   _merge(config, overrides, "from command line", defaults)
+  # A YAML chain ends in base.yml itself, so only its values that differ from base.yml count as set.
+  explicit = set(overrides) | {k for k, v in _read_with_inheritance(config_path).items() if defaults.get(k) != v}
+  if model_name != "default":
+    explicit |= set(_read_yaml(os.path.join(MODELS_DIR, f"{model_name}.yml")))
+  _take_model_from_checkpoint(config, explicit, defaults)
   return config
+
+
+# The keys that define the network's shapes, math and parameter layout: a checkpoint carries them,
+# so loading one needs no model arguments.
+MODEL_KEYS = ("decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+              "base_mlp_dim", "base_num_decoder_layers", "vocab_size", "mlp_activations",
+              "normalization_layer_epsilon", "rope_max_timescale", "logits_via_embedding", "num_experts",
+              "num_experts_per_tok", "scan_layers")
+
+
+def checkpoint_model_settings(path: str) -> dict[str, Any] | None:
+  """The model keys stored with a checkpoint step (…/<step> or …/<step>/state), if it has them."""
+  path = os.path.abspath(os.path.expanduser(path))
+  step_dir = os.path.dirname(path) if os.path.basename(path) == "state" else path
+  saved = os.path.join(step_dir, "config", "config.json")
+  if not os.path.isfile(saved):
+    return None
+  with open(saved) as f:
+    stored = json.load(f)
+  return {k: stored[k] for k in MODEL_KEYS if k in stored}
+
+
+def _take_model_from_checkpoint(config: dict[str, Any], explicit: set[str], defaults: Mapping[str, Any]) -> None:
+  """Model keys nobody set explicitly come from the checkpoint being loaded (explicit ones win, and
+  a real mismatch is then named by the checkpoint's shape check)."""
+  path = config["load_parameters_path"] or config["load_full_state_path"]
+  settings = checkpoint_model_settings(path) if path else None
+  for key, value in (settings or {}).items():
+    if key not in explicit:
+      config[key] = coerce(key, value, defaults[key], f"from the checkpoint {path}")
 
 
 def load_config(argv: Sequence[str], *, num_devices: int | None = None, num_slices: int | None = None,
