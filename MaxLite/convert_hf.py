@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence  # pylint: disable=wrong-import-posit
 import numpy as np  # pylint: disable=wrong-import-position
 
 from MaxLite import config as config_lib  # pylint: disable=wrong-import-position
-from MaxLite.errors import InputError, MaxLiteError  # pylint: disable=wrong-import-position
+from MaxLite.errors import InputError, run_command  # pylint: disable=wrong-import-position
 from MaxLite.safetensors_io import SafetensorsReader, write_checkpoint  # pylint: disable=wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,23 +233,18 @@ def _flag(argv: Sequence[str], name: str) -> str:
   raise InputError(f"--{name}=... is required")
 
 
-def main(argv: Sequence[str]) -> int:
-  try:
-    if not argv or argv[0] not in ("to_maxlite", "to_hf"):
-      raise InputError("usage: convert_hf.py to_maxlite --hf_path=DIR --output_path=CKPT [key=value ...] | "
-                       "to_hf --checkpoint_path=CKPT/0 --output_path=DIR [key=value ...]")
-    mode, rest = argv[0], list(argv[1:])
-    if mode == "to_maxlite":
-      step_dir = to_maxlite(_flag(rest, "hf_path"), _flag(rest, "output_path"), rest)
-      print(f"wrote {step_dir}; train or decode with load_parameters_path={step_dir}")
-    else:
-      files = to_hf(_flag(rest, "checkpoint_path"), _flag(rest, "output_path"), rest)
-      print(f"wrote {', '.join(files)} to {_flag(rest, 'output_path')}")
-    return 0
-  except MaxLiteError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+def run(argv: Sequence[str]) -> None:
+  if not argv or argv[0] not in ("to_maxlite", "to_hf"):
+    raise InputError("usage: convert_hf.py to_maxlite --hf_path=DIR --output_path=CKPT [key=value ...] | "
+                     "to_hf --checkpoint_path=CKPT/0 --output_path=DIR [key=value ...]")
+  mode, rest = argv[0], list(argv[1:])
+  if mode == "to_maxlite":
+    step_dir = to_maxlite(_flag(rest, "hf_path"), _flag(rest, "output_path"), rest)
+    print(f"wrote {step_dir}; train or decode with load_parameters_path={step_dir}")
+  else:
+    files = to_hf(_flag(rest, "checkpoint_path"), _flag(rest, "output_path"), rest)
+    print(f"wrote {', '.join(files)} to {_flag(rest, 'output_path')}")
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(run_command(run, sys.argv[1:]))

@@ -65,7 +65,8 @@ def batch_mesh_axes(rules: Sequence[Sequence[Any]]) -> tuple[str, ...]:
 
 def _check_choices(c: dict[str, Any]) -> None:
   for key, choices in (("remat_policy", REMAT_POLICIES), ("dtype", DTYPES), ("weight_dtype", DTYPES),
-                       ("dataset_type", DATASET_TYPES), ("decoder_block", ("llama2",)), ("profiler", ("", "xplane"))):
+                       ("dataset_type", DATASET_TYPES), ("decoder_block", ("llama2",)), ("profiler", ("", "xplane")),
+                       ("decode_sampling", ("greedy", "temperature", "top_k", "nucleus"))):
     if c[key] not in choices:
       raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
   if list(c["mlp_activations"]) != ["silu", "linear"]:

@@ -19,3 +19,14 @@ class CheckpointError(MaxLiteError):
 
 class LaunchError(MaxLiteError):
   """A pod launch cannot start: a bad flag value, gcloud missing, or a TPU slice not found."""
+
+
+def run_command(entry_point, *args) -> int:
+  """Run a command-line entry point: its MaxLiteError becomes one `error:` line and exit code 2."""
+  import sys  # pylint: disable=import-outside-toplevel
+  try:
+    result = entry_point(*args)
+  except MaxLiteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return result if isinstance(result, int) else 0

@@ -40,6 +40,7 @@ def remat_policy(name: str) -> Any:
 class DecoderLayer(nn.Module):
   config: Config
   deterministic: bool = True
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
@@ -49,7 +50,7 @@ class DecoderLayer(nn.Module):
                 weight_dtype=dtype_of(cfg.weight_dtype))
     x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
     h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
-    h = Attention(cfg, name="self_attention")(h, segment_ids, positions)
+    h = Attention(cfg, self.decode, name="self_attention")(h, segment_ids, positions)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
     h = RMSNorm(name="post_self_attention_norm", **norm)(x)
     aux = None
@@ -70,24 +71,25 @@ class Decoder(nn.Module):
 
   config: Config
   deterministic: bool = True
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
     layer = DecoderLayer
-    if cfg.remat_policy != "none":
+    if cfg.remat_policy != "none" and not self.decode:  # decoding keeps no activations for a backward pass
       layer = nn.remat(layer, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
       auxes = []
       for i in range(cfg.base_num_decoder_layers):
-        x, aux = layer(cfg, self.deterministic, name=f"layers_{i}")(x, segment_ids, positions)
+        x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, segment_ids, positions)
         auxes.append(aux)
       return x, summarize_routing(jax.tree.map(lambda *a: jnp.stack(a), *auxes))
-    stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+    stack = nn.scan(layer, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=cfg.base_num_decoder_layers,
                     metadata_params={nn.PARTITION_NAME: "layers"})
-    if cfg.num_pipeline_stages == 1 or self.is_initializing():
-      x, aux = stack(cfg, self.deterministic, name="layers")(x, segment_ids, positions)
+    if cfg.num_pipeline_stages == 1 or self.is_initializing() or self.decode:
+      x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, segment_ids, positions)
       return x, summarize_routing(aux)
     return self._pipeline(x, segment_ids, positions)
 
@@ -114,10 +116,14 @@ def summarize_routing(per_layer: Any) -> Any:
 
 
 class Transformer(nn.Module):
-  """Token ids [batch, seq] -> logits [batch, seq, vocab] (in the activation dtype)."""
+  """Token ids [batch, seq] -> logits [batch, seq, vocab] (in the activation dtype).
+
+  decode=True: attention layers keep a KV cache (apply with mutable=["cache"]); see decode.py.
+  """
 
   config: Config
   deterministic: bool = True
+  decode: bool = False
 
   @nn.compact
   def __call__(self, ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -125,7 +131,7 @@ class Transformer(nn.Module):
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
     x = nn.with_logical_constraint(embed(ids), EMBED_ACTIVATION)
-    x, moe_aux = Decoder(cfg, self.deterministic, name="decoder")(x, segment_ids, positions)
+    x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, segment_ids, positions)
     if moe_aux is not None:
       self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
     x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="decoder_norm")(x)

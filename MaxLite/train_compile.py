@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 from typing import Any, Sequence  # pylint: disable=wrong-import-position
 
 from MaxLite import config as config_lib, topologies  # pylint: disable=wrong-import-position
-from MaxLite.errors import ConfigError, MaxLiteError  # pylint: disable=wrong-import-position
+from MaxLite.errors import ConfigError, run_command  # pylint: disable=wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOES_NOT_FIT = 3
@@ -188,13 +188,5 @@ def run(argv: Sequence[str]) -> int:
   return 0 if fits else DOES_NOT_FIT
 
 
-def main(argv: Sequence[str]) -> int:
-  try:
-    return run(argv)
-  except MaxLiteError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(run_command(run, sys.argv[1:]))

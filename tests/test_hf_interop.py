@@ -11,6 +11,7 @@ import pytest
 from conftest import BASE_YML, first_devices, make_config
 from MaxLite import checkpointing, convert_hf
 from MaxLite.config import load_config
+from MaxLite.decode import generate
 from MaxLite.errors import InputError
 from MaxLite.model import Transformer
 
@@ -135,4 +136,28 @@ def test_maxlite_trained_model_exports_to_transformers(tmp_path):
   ids = token_ids(loaded.vocab_size)
   with torch.no_grad():
     expected = model(torch.tensor(ids)).logits.numpy()
-  assert np.abs(maxlite_logits(loaded, maxlite_params(loaded, step_dir), ids) - expected).max() <= 1e-4
+  params = maxlite_params(loaded, step_dir)
+  assert np.abs(maxlite_logits(loaded, params, ids) - expected).max() <= 1e-4
+  # Greedy decoding with MaxLite's KV cache picks the same tokens as transformers' generate.
+  prompt = [1, 523, 77, 4096, 12]
+  decoded = maxlite_config(step_dir, "max_prefill_length=8", "max_decode_steps=12")
+  ours, _ = generate(decoded, params, [prompt], eos_id=2)
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+  assert ours[0] == theirs, (ours[0], theirs)
+
+
+def test_command_line(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  script = os.path.join(os.path.dirname(BASE_YML), "..", "MaxLite", "convert_hf.py")
+  _, path = hf_model(tmp_path)
+  run = lambda *a: subprocess.run([sys.executable, script, *a], capture_output=True, text=True, timeout=300)
+  done = run("to_maxlite", f"--hf_path={path}", f"--output_path={tmp_path / 'ml'}", "scan_layers=false")
+  assert done.returncode == 0 and f"load_parameters_path={tmp_path / 'ml' / '0'}" in done.stdout, done.stderr[-2000:]
+  back = run("to_hf", f"--checkpoint_path={tmp_path / 'ml' / '0'}", f"--output_path={tmp_path / 'hf2'}")
+  assert back.returncode == 0 and os.path.isfile(tmp_path / "hf2" / "model.safetensors"), back.stderr[-2000:]
+  for args, fragment in ((("sideways",), "usage: convert_hf.py"), (("to_hf",), "--checkpoint_path=... is required")):
+    bad = run(*args)
+    assert bad.returncode == 2 and fragment in bad.stderr and "Traceback" not in bad.stderr

@@ -36,8 +36,21 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   return out.reshape(b, s, heads, d)
 
 
+def cached_attention_mask(segment_ids: jax.Array, positions: jax.Array, cached_segments: jax.Array) -> jax.Array:
+  """[batch, 1, 1, q, cache_len]: queries at `positions` see cache slots at or before them that hold
+  a token of their own segment (a slot holds the token whose position equals its index)."""
+  slots = jnp.arange(cached_segments.shape[-1])
+  visible = slots[None, None, :] <= positions[:, :, None]
+  same_segment = cached_segments[:, None, :] == segment_ids[:, :, None]
+  return (visible & same_segment)[:, None, None, :, :]
+
+
 class Attention(nn.Module):
+  """decode=True keeps keys and values in a "cache" collection [batch, max_target_length, ...]:
+  each call writes its tokens at their positions and attends over everything cached so far."""
+
   config: Config
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
@@ -60,9 +73,25 @@ class Attention(nn.Module):
     q = apply_rope(q, positions, cfg.rope_max_timescale)
     k = apply_rope(k, positions, cfg.rope_max_timescale)
     q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
-    out = dot_product_attention(q, k, v, attention_mask(segment_ids))
+    if self.decode:
+      k, v, mask = self._update_cache(k, v, segment_ids, positions)
+    else:
+      mask = attention_mask(segment_ids)
+    out = dot_product_attention(q, k, v, mask)
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
 
     out = DenseGeneral(cfg.base_emb_dim, ("heads", "kv", "embed"), axis=(-2, -1), dtype=dtype,
                        weight_dtype=wdtype, init_scale=scale, name="out")(out)
     return checkpoint_name(out, "out_proj")
+
+  def _update_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple:
+    b, length = k.shape[0], self.config.max_target_length
+    axes = (BATCH, None, "activation_kv_heads", "activation_kv")
+    cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, length, *k.shape[2:]), k.dtype)
+    cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, length, *v.shape[2:]), v.dtype)
+    cached_seg = self.variable("cache", "cached_segment_ids", jnp.zeros, (b, length), jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, positions].set(k), axes)
+    cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, positions].set(v), axes)
+    cached_seg.value = cached_seg.value.at[rows, positions].set(segment_ids)
+    return cached_k.value, cached_v.value, cached_attention_mask(segment_ids, positions, cached_seg.value)
