@@ -6,7 +6,8 @@
 to_maxlite writes CKPT/0/state (params only, what load_parameters_path reads) and CKPT/0/config/config.json
 (the model settings inferred from config.json), so training, decode.py and to_hf need no model
 arguments: `load_parameters_path=CKPT/0`. Tensors are read one at a time from the safetensors files
-and written into the one output copy: memory stays near one model, never two.
+and written into the one output copy; orbax's save then stages serialisation buffers next to it
+(measured peak ~1.9x the model on a 1B checkpoint, end_to_end/bench_convert.py).
 
 MaxLite's RoPE rotates the two halves of each head (the Hugging Face Llama layout) and scales q by
 head_dim**-0.5 inside attention, as transformers does, so q/k weights need no permutation; the
@@ -187,13 +188,24 @@ def _check_against_model(params: dict, config: Any) -> None:
                        f"expects {tuple(shape)} (the safetensors do not match config.json)")
 
 
+def _to_jax(tree: dict) -> dict:
+  """numpy leaves -> jax arrays one at a time, dropping each numpy copy as soon as it is converted."""
+  import jax  # pylint: disable=import-outside-toplevel
+  for key in list(tree):
+    tree[key] = _to_jax(tree[key]) if isinstance(tree[key], dict) else jax.device_put(tree.pop(key))
+  return tree
+
+
 def _save(params: dict, config: Any, output_path: str) -> str:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   step_dir = os.path.join(os.path.abspath(output_path), "0")
   if os.path.exists(step_dir):
     raise InputError(f"--output_path={output_path}: {step_dir} already exists; choose a new directory")
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    checkpointer.save(os.path.join(step_dir, "state"), {"params": params})
+  # Converted to jax arrays leaf by leaf and at most 1 GB in flight: with numpy leaves and default
+  # limits orbax stages copies of the whole model (peak ~3x the model; this way ~1.9x).
+  handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, save_device_host_concurrent_gb=1)
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(os.path.join(step_dir, "state"), args=ocp.args.PyTreeSave({"params": _to_jax(params)}))
   os.makedirs(os.path.join(step_dir, "config"))
   settings = {k: getattr(config, k) for k in (*config_lib.MODEL_KEYS, "weight_dtype")}
   with open(os.path.join(step_dir, "config", "config.json"), "w") as f:
