@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import flax.linen as nn
+from flax.linen import partitioning as nn_partitioning
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -26,6 +27,19 @@ def axis_rules(config: Config) -> tuple[tuple[str, Any], ...]:
 def logical_to_sharding(logical_specs: Any, mesh: Mesh, config: Config) -> Any:
   """Tree of logical PartitionSpecs -> tree of NamedShardings on `mesh`."""
   return nn.logical_to_mesh_sharding(logical_specs, mesh, axis_rules(config))
+
+
+def logical_axis_is_split(name: str) -> bool:
+  """Whether the logical axis `name` is split over more than one device under the active axis rules
+  (nn_partitioning.axis_rules) and mesh (jax.set_mesh); False outside any mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return False
+  for logical, axes in nn_partitioning.get_axis_rules():
+    if logical == name:
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      return math.prod(mesh.shape[a] for a in axes) > 1
+  return False
 
 
 def batch_sharding(mesh: Mesh, config: Config) -> NamedSharding:
