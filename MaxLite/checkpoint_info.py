@@ -32,8 +32,7 @@ def find_steps(path: str) -> tuple[str, list[int], list[str]]:
     raise CheckpointError(f"{path}: no such directory")
   if os.path.isdir(os.path.join(path, "checkpoints")):
     path = os.path.join(path, "checkpoints")
-  names = os.listdir(path)
-  return path, sorted(int(n) for n in names if n.isdigit()), sorted(n for n in names if "tmp" in n)
+  return path, checkpointing.step_numbers(path), sorted(n for n in os.listdir(path) if "tmp" in n)
 
 
 def _bytes(n: int) -> str:

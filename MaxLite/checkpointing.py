@@ -157,6 +157,11 @@ def check_compatible(state_dir: str, target: Any, hint: str = "") -> None:
                             f"checkpoint but {tuple(want.shape)} in this config")
 
 
+def step_numbers(directory: str) -> list[int]:
+  """Complete steps in a checkpoints directory, ascending (in-progress saves are `<step>.orbax-checkpoint-tmp*`)."""
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
 def resolve_state_dir(path: str, key: str) -> str:
   """A load path may name a step directory (…/checkpoints/100) or its state item (…/100/state)."""
   path = os.path.abspath(os.path.expanduser(path))
@@ -166,7 +171,7 @@ def resolve_state_dir(path: str, key: str) -> str:
     return os.path.join(path, STATE)
   if os.path.exists(os.path.join(path, "_METADATA")):
     return path
-  steps = sorted((int(d) for d in os.listdir(path) if d.isdigit()), reverse=True)
+  steps = step_numbers(path)[::-1]
   hint = f" (it holds steps {steps[:5]}; use e.g. {os.path.join(path, str(steps[0]))})" if steps else ""
   raise CheckpointError(f"{key}={path} is not a checkpoint step directory{hint}")
 

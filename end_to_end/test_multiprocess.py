@@ -36,10 +36,7 @@ def test_two_processes_killed_and_resumed_match_uninterrupted_run(tmp_path):
   launcher = procs.start(command, log)
   procs.wait_for_step(launcher, metrics, 5, log)
   procs.kill_group(launcher, signal.SIGKILL)  # the launcher and both training processes
-  deadline = time.monotonic() + 10
-  while _processes_mentioning(f"base_output_directory={tmp_path}") and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not _processes_mentioning(f"base_output_directory={tmp_path}")
+  _assert_all_exit(f"base_output_directory={tmp_path}")
   assert sorted(os.listdir(tmp_path / "b" / "checkpoints"))[0] == "3"
   killed_at = os.path.getsize(metrics)
 
@@ -66,6 +63,14 @@ def test_sigterm_to_the_job_saves_the_same_step_on_every_process(tmp_path):
   assert os.listdir(tmp_path / "p" / "checkpoints") == [saved[0][1]]
 
 
+def _assert_all_exit(text: str, within: float = 10) -> None:
+  """No process whose command line mentions `text` is left after `within` seconds."""
+  deadline = time.monotonic() + within
+  while _processes_mentioning(text) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not _processes_mentioning(text)
+
+
 def _pid_of(*fragments: str) -> int:
   for pid in _processes_mentioning(fragments[0]):
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -87,10 +92,7 @@ def test_a_crashed_process_fails_the_launch_fast_and_leaves_no_orphans(tmp_path)
   output = procs.tail(log, lines=40)
   assert "launch_local: process 1 exited with code -9; last lines of" in output
   assert re.search(r"  \| .*step +\d+ \| loss", output)  # the crashed process's own last log lines
-  deadline = time.monotonic() + 10
-  while _processes_mentioning(f"base_output_directory={tmp_path}") and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not _processes_mentioning(f"base_output_directory={tmp_path}")
+  _assert_all_exit(f"base_output_directory={tmp_path}")
 
 
 def test_unreachable_coordinator_is_one_clear_line_within_the_timeout(tmp_path):
