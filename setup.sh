@@ -1,47 +1,67 @@
 #!/usr/bin/env bash
-# Install MaxLite's dependencies into the current Python environment.
-#   DEVICE=cpu (default) | tpu | gpu   which jax backend to install
-#   AOT=1 (default) | 0   also fetch libtpu into .deps/libtpu for train_compile.py (compile for TPU
-#                         topologies on this machine; kept off the import path so CPU runs stay quiet)
-#   MODE=pinned (default) | stable | nightly
-#     pinned:  the versions in requirements.txt (tested together)
-#     stable:  the newest releases of the same packages
-#     nightly: pre-releases of jax/jaxlib on top of stable
-# Usage: bash setup.sh            (then: python MaxLite/train.py configs/base.yml)
+# Install MaxLite and its pinned dependencies into the current Python environment (a venv is best).
+#
+#   bash setup.sh [DEVICE=cpu|tpu|gpu] [MODE=pinned|stable|nightly] [AOT=1|0] [TEST=0|1] [PYTHON=python3]
+#
+# MaxText's argument form; the same names work as environment variables.
+#   DEVICE  cpu (default) | tpu (jax[tpu]) | gpu (jax[cuda12]); checked after installing: DEVICE=tpu on a machine
+#           without TPU chips stops with an error instead of leaving a CPU-only install behind
+#   MODE    pinned (default): the versions in requirements*.txt, tested together; stable: the newest releases of
+#           the same packages; nightly: jax/jaxlib pre-releases on top of stable
+#   AOT     1 (default, not with DEVICE=tpu): also put libtpu into .deps/libtpu for train_compile.py (compile for
+#           TPU topologies on this machine; kept off the import path so CPU runs stay quiet)
+#   TEST    1: also the test-only packages of requirements/test.txt (pytest, ruff, torch, transformers, a local
+#           GCS server); never needed to train, so pod workers leave it at 0 (the default). .ci/run sets 1.
+# Then: python MaxLite/train.py configs/base.yml   (or maxlite-train configs/base.yml)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
+for arg in "$@"; do
+  case "$arg" in
+    DEVICE=*|MODE=*|AOT=*|TEST=*|PYTHON=*) export "${arg?}" ;;
+    *) echo "error: setup.sh: unknown argument '$arg'; use DEVICE=cpu|tpu|gpu MODE=pinned|stable|nightly AOT=0|1 TEST=0|1 PYTHON=..." >&2
+       exit 2 ;;
+  esac
+done
 DEVICE="${DEVICE:-cpu}"
 MODE="${MODE:-pinned}"
+AOT="${AOT:-1}"
+TEST="${TEST:-0}"
 PYTHON="${PYTHON:-python3}"
+case "$DEVICE" in cpu|tpu|gpu) ;; *) echo "error: setup.sh: DEVICE=$DEVICE is not one of cpu, tpu, gpu" >&2; exit 2 ;; esac
+case "$MODE" in pinned|stable|nightly) ;; *) echo "error: setup.sh: MODE=$MODE is not one of pinned, stable, nightly" >&2; exit 2 ;; esac
+case "$AOT$TEST" in [01][01]) ;; *) echo "error: setup.sh: AOT and TEST take 0 or 1, got AOT=$AOT TEST=$TEST" >&2; exit 2 ;; esac
+
+if ! command -v "$PYTHON" > /dev/null; then
+  echo "error: setup.sh: PYTHON=$PYTHON is not a command; install Python 3.11 or newer and pass PYTHON=/path/to/python3.11" >&2
+  exit 2
+fi
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "error: setup.sh: $("$PYTHON" -V 2>&1) is too old: jax $(sed -n 's/^jax==//p' requirements.txt) needs Python 3.11 or newer;" \
+       "make one with e.g. \`python3 -m pip install uv && python3 -m uv venv --python 3.12 ~/venv\` and run" \
+       "\`PYTHON=~/venv/bin/python bash setup.sh ...\`" >&2
+  exit 2
+fi
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check --quiet "$@"; }
+extras=(requirements/gcs.txt)
+case "$DEVICE" in tpu) extras+=(requirements/tpu.txt) ;; gpu) extras+=(requirements/gpu.txt) ;; esac
+[[ "$TEST" == 1 ]] && extras+=(requirements/test.txt)
 
-case "$DEVICE" in cpu|tpu|gpu) ;; *) echo "error: DEVICE=$DEVICE is not one of cpu, tpu, gpu" >&2; exit 2;; esac
-JAX_VERSION="$(sed -n 's/^jax==//p' requirements.txt)"
+if [[ "$MODE" == pinned ]]; then
+  pip_install -r requirements.txt "${extras[@]/#/-r}"
+else
+  # The same packages, unpinned.
+  mapfile -t packages < <(sed -n 's/==.*//p' requirements.txt "${extras[@]}")
+  pip_install --upgrade "${packages[@]}"
+  if [[ "$MODE" == nightly ]]; then
+    pip_install --upgrade --pre jax jaxlib
+  fi
+fi
+# MaxLite itself, editable: `import MaxLite` and the maxlite-* commands run this checkout's code. No
+# dependency resolution here: the step above chose the versions.
+pip_install --no-deps --editable .
 
-case "$MODE" in
-  pinned)
-    pip_install -r requirements.txt
-    case "$DEVICE" in
-      tpu) pip_install "jax[tpu]==${JAX_VERSION}" ;;
-      gpu) pip_install "jax[cuda12]==${JAX_VERSION}" ;;
-    esac ;;
-  stable|nightly)
-    # Everything in requirements.txt, unpinned.
-    mapfile -t packages < <(sed -n 's/==.*//p' requirements.txt)
-    pip_install --upgrade "${packages[@]}"
-    extra=""
-    case "$DEVICE" in tpu) extra="[tpu]" ;; gpu) extra="[cuda12]" ;; esac
-    if [[ "$MODE" == nightly ]]; then
-      pip_install --upgrade --pre "jax${extra}" jaxlib
-    elif [[ -n "$extra" ]]; then
-      pip_install --upgrade "jax${extra}"
-    fi ;;
-  *) echo "error: MODE=$MODE is not one of pinned, stable, nightly" >&2; exit 2 ;;
-esac
-pip_install -r requirements-test.txt
-
-if [[ "${AOT:-1}" == 1 && "$DEVICE" != tpu ]]; then
+if [[ "$AOT" == 1 && "$DEVICE" != tpu ]]; then
   # The libtpu build this jax release asks for (its `tpu` extra), as a plain directory.
   LIBTPU_SPEC="$("$PYTHON" -c 'import importlib.metadata as m, re; print(next(re.sub(r";.*", "", r).replace(" ", "") for r in m.requires("jax") if r.startswith("libtpu")))')"
   if [[ ! -f .deps/libtpu/libtpu/libtpu.so ]] || ! grep -qx "$LIBTPU_SPEC" .deps/libtpu/.spec 2>/dev/null; then
@@ -51,7 +71,6 @@ if [[ "${AOT:-1}" == 1 && "$DEVICE" != tpu ]]; then
   fi
 fi
 
-"$PYTHON" - <<'PY'
-import jax
-print(f"MaxLite set-up done: jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} device(s)")
-PY
+# Check what was installed without starting a jax runtime (on a TPU VM that would take the chips, and on a pod
+# worker it would wait for the other hosts).
+DEVICE="$DEVICE" "$PYTHON" -m MaxLite.launch.install_check

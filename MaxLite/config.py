@@ -12,16 +12,19 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import sys
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
+from MaxLite import maxtext_compat, paths
+from MaxLite.checkpoint import saved_config_path, step_dir_of
 from MaxLite.errors import ConfigError
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-BASE_CONFIG_PATH = os.path.join(CONFIGS_DIR, "base.yml")
-MODELS_DIR = os.path.join(CONFIGS_DIR, "models")
+BASE_CONFIG_PATH = os.path.join(paths.configs_dir(), "base.yml")
+MODELS_DIR = os.path.join(paths.configs_dir(), "models")
 
 
 class Config:
@@ -88,6 +91,11 @@ def _read_with_inheritance(path: str, seen: tuple[str, ...] = ()) -> dict[str, A
 
 
 def _unknown_key_error(key: str, source: str, known: Sequence[str]) -> ConfigError:
+  if key in maxtext_compat.unimplemented():
+    return ConfigError(
+      f"config key {key!r} ({source}) is a MaxText key that MaxLite does not implement; "
+      "remove it (configs/base.yml lists every key MaxLite has)"
+    )
   close = difflib.get_close_matches(key, known, n=1)
   hint = f"; did you mean {close[0]!r}?" if close else "; every key must be defined in configs/base.yml"
   return ConfigError(f"unknown config key {key!r} ({source}){hint}")
@@ -144,6 +152,30 @@ def _merge(config: dict[str, Any], updates: Mapping[str, Any], source: str, defa
     config[key] = coerce(key, value, defaults[key], source)
 
 
+def _canonical(updates: Mapping[str, Any], source: str) -> dict[str, Any]:
+  """Old MaxLite key names -> MaxText's, with a one-line deprecation warning each."""
+  out = {}
+  for key, value in updates.items():
+    new = maxtext_compat.RENAMED.get(key)
+    if new is not None:
+      print(
+        f"warning: config key {key!r} ({source}) is deprecated; use MaxText's name {new!r} "
+        "(the old name will be removed in the next release)",
+        file=sys.stderr,
+      )
+      key = new
+    new_value = maxtext_compat.RENAMED_VALUES.get(key, {}).get(value) if isinstance(value, str) else None
+    if new_value is not None:
+      print(
+        f"warning: {key}={value!r} ({source}) is deprecated; use MaxText's value {new_value!r} "
+        "(the old value will be removed in the next release)",
+        file=sys.stderr,
+      )
+      value = new_value
+    out[key] = value
+  return out
+
+
 def parse_overrides(overrides: Sequence[str]) -> dict[str, str]:
   parsed = {}
   for item in overrides:
@@ -162,12 +194,14 @@ def load_raw(argv: Sequence[str]) -> dict[str, Any]:
   """Merge YAML files, the model overlay and overrides into a typed dict (no derived values)."""
   if not argv:
     raise ConfigError("usage: train.py CONFIG.yml [key=value ...]")
-  config_path, overrides = argv[0], parse_overrides(argv[1:])
+  config_path = argv[0]
   if "=" in config_path:
     raise ConfigError(f"first argument must be a YAML config file, got {config_path!r}")
+  overrides = _canonical(parse_overrides(argv[1:]), "from command line")
   defaults = _read_yaml(BASE_CONFIG_PATH)
   config = dict(defaults)
-  _merge(config, _read_with_inheritance(config_path), f"from {config_path}", defaults)
+  from_file = _canonical(_read_with_inheritance(config_path), f"from {config_path}")
+  _merge(config, from_file, f"from {config_path}", defaults)
 
   model_name = coerce("model_name", overrides.get("model_name", config["model_name"]), "", "model_name")
   if model_name != "default":
@@ -177,7 +211,7 @@ def load_raw(argv: Sequence[str]) -> dict[str, Any]:
     _merge(config, _read_yaml(model_path), f"from {model_path}", defaults)
   _merge(config, overrides, "from command line", defaults)
   # A YAML chain ends in base.yml itself, so only its values that differ from base.yml count as set.
-  explicit = set(overrides) | {k for k, v in _read_with_inheritance(config_path).items() if defaults.get(k) != v}
+  explicit = set(overrides) | {k for k, v in from_file.items() if defaults.get(k) != v}
   if model_name != "default":
     explicit |= set(_read_yaml(os.path.join(MODELS_DIR, f"{model_name}.yml")))
   _take_model_from_checkpoint(config, explicit, defaults)
@@ -186,21 +220,31 @@ def load_raw(argv: Sequence[str]) -> dict[str, Any]:
 
 # The keys that define the network's shapes, math and parameter layout: a checkpoint carries them,
 # so loading one needs no model arguments.
-MODEL_KEYS = ("decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-              "base_mlp_dim", "base_num_decoder_layers", "vocab_size", "mlp_activations",
-              "normalization_layer_epsilon", "rope_max_timescale", "logits_via_embedding", "num_experts",
-              "num_experts_per_tok", "scan_layers")
+MODEL_KEYS = (
+  "decoder_block",
+  "base_emb_dim",
+  "base_num_query_heads",
+  "base_num_kv_heads",
+  "head_dim",
+  "base_mlp_dim",
+  "base_num_decoder_layers",
+  "vocab_size",
+  "mlp_activations",
+  "normalization_layer_epsilon",
+  "rope_max_timescale",
+  "logits_via_embedding",
+  "num_experts",
+  "num_experts_per_tok",
+  "scan_layers",
+)
 
 
 def checkpoint_model_settings(path: str) -> dict[str, Any] | None:
   """The model keys stored with a checkpoint step (…/<step> or …/<step>/state), if it has them."""
-  path = os.path.abspath(os.path.expanduser(path))
-  step_dir = os.path.dirname(path) if os.path.basename(path) == "state" else path
-  saved = os.path.join(step_dir, "config", "config.json")
-  if not os.path.isfile(saved):
+  saved = saved_config_path(step_dir_of(path))
+  if not paths.isfile(saved):
     return None
-  with open(saved) as f:
-    stored = json.load(f)
+  stored = json.loads(paths.read_text(saved))
   return {k: stored[k] for k in MODEL_KEYS if k in stored}
 
 
@@ -214,11 +258,17 @@ def _take_model_from_checkpoint(config: dict[str, Any], explicit: set[str], defa
       config[key] = coerce(key, value, defaults[key], f"from the checkpoint {path}")
 
 
-def load_config(argv: Sequence[str], *, num_devices: int | None = None, num_slices: int | None = None,
-                process_count: int | None = None) -> Config:
+def load_config(
+  argv: Sequence[str],
+  *,
+  num_devices: int | None = None,
+  num_slices: int | None = None,
+  process_count: int | None = None,
+) -> Config:
   """Build the validated, frozen config. Device counts default to what JAX sees."""
-  from MaxLite import derived  # pylint: disable=import-outside-toplevel
+  from MaxLite import derived
 
   raw = load_raw(argv)
-  return Config(derived.validate_and_derive(raw, num_devices=num_devices, num_slices=num_slices,
-                                            process_count=process_count))
+  return Config(
+    derived.validate_and_derive(raw, num_devices=num_devices, num_slices=num_slices, process_count=process_count)
+  )

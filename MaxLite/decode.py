@@ -1,7 +1,10 @@
 """Generate text from a checkpoint with a KV cache: batched prefill, then one token per step.
 
-  python MaxLite/decode.py configs/base.yml load_parameters_path=CKPT/STEP prompt="The Python" \
-      max_prefill_length=64 max_decode_steps=32 decode_sampling=greedy|temperature|top_k|nucleus
+Usage:   python MaxLite/decode.py CONFIG.yml load_parameters_path=CKPT/STEP [key=value ...]   (or: maxlite-decode ...)
+Example: python MaxLite/decode.py configs/base.yml load_parameters_path=outputs/run/checkpoints/200 \
+           prompt="The Python" max_prefill_predict_length=64 max_decode_steps=32 decode_sampling_strategy=greedy
+
+decode_sampling_strategy is greedy, weighted (temperature sampling), topk or nucleus, as in MaxText.
 
 Model settings come from the checkpoint. Several prompts separated by " ||| " decode as one batch
 (right-padded; padding is segment 0, which attention never sees). The cache lives in flax's "cache"
@@ -11,20 +14,17 @@ collection, [batch, max_target_length, kv_heads, head_dim] per layer, sharded by
 from __future__ import annotations
 
 import functools
-import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from typing import Any, Sequence  # pylint: disable=wrong-import-position
-
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-
-from MaxLite import config as config_lib  # pylint: disable=wrong-import-position
-from MaxLite.errors import ConfigError, run_command  # pylint: disable=wrong-import-position
+from MaxLite import cli, paths
+from MaxLite import config as config_lib
+from MaxLite.errors import ConfigError
 
 PROMPT_SEPARATOR = " ||| "
 
@@ -32,13 +32,13 @@ PROMPT_SEPARATOR = " ||| "
 def sample(logits: jax.Array, rng: jax.Array, config: Any) -> jax.Array:
   """Next token ids [batch] from last-position logits [batch, vocab]."""
   logits = logits.astype(jnp.float32)
-  if config.decode_sampling == "greedy":
+  if config.decode_sampling_strategy == "greedy":
     return jnp.argmax(logits, axis=-1)
   logits = logits / config.decode_sampling_temperature
-  if config.decode_sampling == "top_k":
+  if config.decode_sampling_strategy == "topk":
     kth = jax.lax.top_k(logits, config.decode_sampling_top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
-  elif config.decode_sampling == "nucleus":
+  elif config.decode_sampling_strategy == "nucleus":
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
     cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
     # Keep the smallest top set whose mass reaches p: the cutoff is the first sorted logit past it.
@@ -57,25 +57,34 @@ def _prefill(params: Any, ids: jax.Array, lengths: jax.Array, *, model: Any) -> 
 
 
 def _step(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *, model: Any) -> tuple[jax.Array, Any]:
-  logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None], positions[:, None],
-                                  jnp.ones_like(tokens)[:, None], mutable=["cache"])
+  logits, variables = model.apply(
+    {"params": params, "cache": cache},
+    tokens[:, None],
+    positions[:, None],
+    jnp.ones_like(tokens)[:, None],
+    mutable=["cache"],
+  )
   return logits[:, 0], variables["cache"]
 
 
-def generate(config: Any, params: Any, prompts: Sequence[Sequence[int]], eos_id: int | None = None,
-             return_logits: bool = False) -> tuple[list[list[int]], list[np.ndarray]]:
+def generate(
+  config: Any, params: Any, prompts: Sequence[Sequence[int]], eos_id: int | None = None, return_logits: bool = False
+) -> tuple[list[list[int]], list[np.ndarray]]:
   """Token ids of each prompt's continuation (stopping after eos_id), and optionally each step's logits."""
-  from MaxLite.model import Transformer  # pylint: disable=import-outside-toplevel
-  prefill_len = config.max_prefill_length
+  from MaxLite.layers.decoder import Transformer
+
+  prefill_len = config.max_prefill_predict_length
   if prefill_len + config.max_decode_steps > config.max_target_length:
-    raise ConfigError(f"max_prefill_length={prefill_len} + max_decode_steps={config.max_decode_steps} exceeds "
-                      f"max_target_length={config.max_target_length} (the KV cache length)")
+    raise ConfigError(
+      f"max_prefill_predict_length={prefill_len} + max_decode_steps={config.max_decode_steps} exceeds "
+      f"max_target_length={config.max_target_length} (the KV cache length)"
+    )
   prompts = [list(p)[-prefill_len:] for p in prompts]
   if not all(prompts):
     raise ConfigError("every prompt needs at least one token")
   ids = np.zeros((len(prompts), prefill_len), np.int32)
   for row, prompt in enumerate(prompts):
-    ids[row, :len(prompt)] = prompt
+    ids[row, : len(prompt)] = prompt
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
   model = Transformer(config, deterministic=True, decode=True)
   prefill = jax.jit(functools.partial(_prefill, model=model))
@@ -101,10 +110,11 @@ def generate(config: Any, params: Any, prompts: Sequence[Sequence[int]], eos_id:
 
 def load_params(config: Any, mesh: Any) -> Any:
   """The checkpoint's params placed by the logical rules, or a random init when no path is given."""
-  from MaxLite import checkpointing  # pylint: disable=import-outside-toplevel
-  from MaxLite.model import Transformer  # pylint: disable=import-outside-toplevel
-  from MaxLite.optimizer import create_optimizer  # pylint: disable=import-outside-toplevel
-  from MaxLite.train_state import abstract_state, create_train_state  # pylint: disable=import-outside-toplevel
+  from MaxLite.checkpoint import manager as checkpointing
+  from MaxLite.layers.decoder import Transformer
+  from MaxLite.training.optimizer import create_optimizer
+  from MaxLite.training.train_state import abstract_state, create_train_state
+
   model, tx = Transformer(config), create_optimizer(config)
   abstract, _, shardings = abstract_state(model, tx, config, mesh)
   if not config.load_parameters_path:
@@ -115,17 +125,18 @@ def load_params(config: Any, mesh: Any) -> Any:
 
 
 def run(argv: Sequence[str]) -> list[str]:
-  from flax.linen import partitioning as nn_partitioning  # pylint: disable=import-outside-toplevel
-  from MaxLite import sharding  # pylint: disable=import-outside-toplevel
-  from MaxLite.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
-  from MaxLite.input_pipeline import resolve_paths  # pylint: disable=import-outside-toplevel
-  from MaxLite.mesh import create_mesh  # pylint: disable=import-outside-toplevel
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite import sharding
+  from MaxLite.data.tokenizer import load_tokenizer
+  from MaxLite.mesh import create_mesh
+
   texts = config_lib.load_raw(argv)["prompt"].split(PROMPT_SEPARATOR)
   # The batch is the prompts; the mesh splits it like a training batch.
   config = config_lib.load_config([*argv, f"per_device_batch_size={len(texts) / jax.device_count()}"])
   if config.num_pipeline_stages > 1:
     raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
-  tokenizer = load_tokenizer(resolve_paths(config.tokenizer_path))
+  tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path))
   mesh = create_mesh(config)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     params = load_params(config, mesh)
@@ -137,5 +148,9 @@ def run(argv: Sequence[str]) -> list[str]:
   return results
 
 
+def main() -> None:
+  cli.run_config_tool(run, __doc__)
+
+
 if __name__ == "__main__":
-  sys.exit(run_command(run, sys.argv[1:]))
+  main()

@@ -8,17 +8,31 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from MaxLite import paths
 from MaxLite.errors import ConfigError
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 # Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
-AXIS_KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "sequence": "sequence",
-            "tensor": "tensor", "expert": "expert"}
-REMAT_POLICIES = ("none", "full", "minimal", "save_dot_except_mlp", "save_dot_except_mlpwi",
-                  "save_qkv_proj", "save_out_proj")
+AXIS_KEY = {
+  "data": "data",
+  "stage": "pipeline",
+  "fsdp": "fsdp",
+  "sequence": "sequence",
+  "tensor": "tensor",
+  "expert": "expert",
+}
+REMAT_POLICIES = (
+  "none",
+  "full",
+  "minimal",
+  "save_dot_except_mlp",
+  "save_dot_except_mlpwi",
+  "save_qkv_proj",
+  "save_out_proj",
+)
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
 
@@ -39,14 +53,17 @@ def resolve_parallelism(prefix: str, values: dict[str, int], total: int, what: s
       raise ConfigError(f"{prefix}_*_parallelism ({shown}) cannot fill {total} {what}: {known} does not divide {total}")
     return {a: (total // known if v == -1 else v) for a, v in values.items()}
   if known != total:
-    raise ConfigError(f"{prefix}_*_parallelism product is {known} ({shown}) but there are {total} {what}; "
-                      f"make the product {total} or set one of them to -1")
+    raise ConfigError(
+      f"{prefix}_*_parallelism product is {known} ({shown}) but there are {total} {what}; "
+      f"make the product {total} or set one of them to -1"
+    )
   return dict(values)
 
 
 def _device_counts(num_devices: int | None, num_slices: int | None, process_count: int | None) -> tuple[int, int, int]:
   if num_devices is None or num_slices is None or process_count is None:
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax
+
     devices = jax.devices()
     num_devices = len(devices) if num_devices is None else num_devices
     process_count = jax.process_count() if process_count is None else process_count
@@ -64,29 +81,47 @@ def batch_mesh_axes(rules: Sequence[Sequence[Any]]) -> tuple[str, ...]:
 
 
 def _check_choices(c: dict[str, Any]) -> None:
-  for key, choices in (("remat_policy", REMAT_POLICIES), ("dtype", DTYPES), ("weight_dtype", DTYPES),
-                       ("dataset_type", DATASET_TYPES), ("decoder_block", ("llama2",)), ("profiler", ("", "xplane")),
-                       ("decode_sampling", ("greedy", "temperature", "top_k", "nucleus"))):
+  for key, choices in (
+    ("remat_policy", REMAT_POLICIES),
+    ("dtype", DTYPES),
+    ("weight_dtype", DTYPES),
+    ("dataset_type", DATASET_TYPES),
+    ("decoder_block", ("llama2",)),
+    ("profiler", ("", "xplane")),
+    ("decode_sampling_strategy", ("greedy", "weighted", "topk", "nucleus")),
+  ):
     if c[key] not in choices:
       raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
   if list(c["mlp_activations"]) != ["silu", "linear"]:
     raise ConfigError(f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU)")
-  if list(c["mesh_axes"]) != list(MESH_AXES):
-    raise ConfigError(f"mesh_axes must be {list(MESH_AXES)}, got {list(c['mesh_axes'])}")
   for rule in c["logical_axis_rules"]:
     if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
       raise ConfigError(f"logical_axis_rules entry {rule!r} must be [logical_name, mesh_axis or list of mesh axes]")
     axes = [rule[1]] if isinstance(rule[1], str) else (rule[1] or [])
     unknown = [a for a in axes if a not in MESH_AXES]
     if unknown:
-      raise ConfigError(f"logical_axis_rules: {rule[0]!r} maps to unknown mesh axis {unknown[0]!r}; "
-                        f"mesh axes are {', '.join(MESH_AXES)}")
+      raise ConfigError(
+        f"logical_axis_rules: {rule[0]!r} maps to unknown mesh axis {unknown[0]!r}; "
+        f"mesh axes are {', '.join(MESH_AXES)}"
+      )
 
 
 def _check_positive(c: dict[str, Any]) -> None:
-  for key in ("steps", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
-              "base_num_decoder_layers", "vocab_size", "max_target_length", "gradient_accumulation_steps",
-              "log_period", "checkpoint_period", "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps"):
+  for key in (
+    "steps",
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "base_mlp_dim",
+    "base_num_decoder_layers",
+    "vocab_size",
+    "max_target_length",
+    "gradient_accumulation_steps",
+    "log_period",
+    "checkpoint_period",
+    "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps",
+  ):
     if c[key] <= 0:
       raise ConfigError(f"{key} must be positive, got {c[key]}")
   if c["per_device_batch_size"] <= 0:
@@ -96,11 +131,15 @@ def _check_positive(c: dict[str, Any]) -> None:
   if not 0.0 <= c["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
-    raise ConfigError("load_parameters_path and load_full_state_path are mutually exclusive (params only vs the "
-                      "whole train state); set only one")
+    raise ConfigError(
+      "load_parameters_path and load_full_state_path are mutually exclusive (params only vs the "
+      "whole train state); set only one"
+    )
   if c["eval_interval"] != -1 and (c["eval_interval"] <= 0 or c["eval_steps"] <= 0):
-    raise ConfigError(f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
-                      "(eval_interval=-1 disables eval)")
+    raise ConfigError(
+      f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
+      "(eval_interval=-1 disables eval)"
+    )
 
 
 def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
@@ -110,15 +149,19 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
   tp = mesh["tensor"]
   for key in ("base_num_query_heads", "base_num_kv_heads"):
     if c[key] % tp:
-      raise ConfigError(f"{key}={c[key]} is not divisible by tensor parallelism {tp} "
-                        "(ici_tensor_parallelism x dcn_tensor_parallelism)")
+      raise ConfigError(
+        f"{key}={c[key]} is not divisible by tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism)"
+      )
   if c["max_target_length"] % mesh["sequence"]:
-    raise ConfigError(f"max_target_length={c['max_target_length']} is not divisible by sequence parallelism "
-                      f"{mesh['sequence']}")
+    raise ConfigError(
+      f"max_target_length={c['max_target_length']} is not divisible by sequence parallelism {mesh['sequence']}"
+    )
   stages, layers = mesh["stage"], c["base_num_decoder_layers"]
   if layers % stages:
-    raise ConfigError(f"base_num_decoder_layers={layers} is not divisible by pipeline parallelism {stages} "
-                      "(ici_pipeline_parallelism x dcn_pipeline_parallelism); each stage needs the same number of layers")
+    raise ConfigError(
+      f"base_num_decoder_layers={layers} is not divisible by pipeline parallelism {stages} "
+      "(ici_pipeline_parallelism x dcn_pipeline_parallelism); each stage needs the same number of layers"
+    )
   if stages > 1 and not c["scan_layers"]:
     raise ConfigError(f"pipeline parallelism {stages} needs scan_layers=true (stages are slices of the scanned layers)")
   experts, top_k = c["num_experts"], c["num_experts_per_tok"]
@@ -127,8 +170,10 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
   if experts > 1 and not 1 <= top_k <= experts:
     raise ConfigError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
   if experts > 1 and experts % mesh["expert"]:
-    raise ConfigError(f"num_experts={experts} is not divisible by expert parallelism {mesh['expert']} "
-                      "(ici_expert_parallelism x dcn_expert_parallelism)")
+    raise ConfigError(
+      f"num_experts={experts} is not divisible by expert parallelism {mesh['expert']} "
+      "(ici_expert_parallelism x dcn_expert_parallelism)"
+    )
 
 
 def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, batch_shards: int) -> int:
@@ -138,8 +183,10 @@ def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, bat
   if n <= 0:
     raise ConfigError(f"num_pipeline_microbatches must be positive or -1 (= number of stages), got {n}")
   if stages > 1 and (micro_batch % n or (micro_batch // n) % batch_shards):
-    raise ConfigError(f"batch {micro_batch} cannot be split into num_pipeline_microbatches={n} microbatches that "
-                      f"each divide over the {batch_shards} batch shards; use a multiple of {n * batch_shards}")
+    raise ConfigError(
+      f"batch {micro_batch} cannot be split into num_pipeline_microbatches={n} microbatches that "
+      f"each divide over the {batch_shards} batch shards; use a multiple of {n * batch_shards}"
+    )
   return n
 
 
@@ -154,8 +201,9 @@ def parameter_count(c: dict[str, Any]) -> int:
   return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
 
 
-def validate_and_derive(c: dict[str, Any], *, num_devices: int | None = None, num_slices: int | None = None,
-                        process_count: int | None = None) -> dict[str, Any]:
+def validate_and_derive(
+  c: dict[str, Any], *, num_devices: int | None = None, num_slices: int | None = None, process_count: int | None = None
+) -> dict[str, Any]:
   c = dict(c)
   _check_choices(c)
   _check_positive(c)
@@ -167,51 +215,52 @@ def validate_and_derive(c: dict[str, Any], *, num_devices: int | None = None, nu
   if slices <= 0 or num_devices % slices:
     raise ConfigError(f"num_slices={slices} must be positive and divide the {num_devices} devices")
   dcn = resolve_parallelism("dcn", dcn, slices, "slices")
-  ici = resolve_parallelism("ici", {a: c[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES},
-                            num_devices // slices, "devices per slice")
+  ici = resolve_parallelism(
+    "ici", {a: c[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}, num_devices // slices, "devices per slice"
+  )
   mesh = {a: ici[a] * dcn[a] for a in MESH_AXES}
   _check_model_vs_mesh(c, mesh)
 
   micro_batch = c["per_device_batch_size"] * num_devices
   if not float(micro_batch).is_integer() or micro_batch < 1:
-    raise ConfigError(f"per_device_batch_size={c['per_device_batch_size']} x {num_devices} devices = {micro_batch} "
-                      "is not a whole number of sequences")
+    raise ConfigError(
+      f"per_device_batch_size={c['per_device_batch_size']} x {num_devices} devices = {micro_batch} "
+      "is not a whole number of sequences"
+    )
   micro_batch = int(micro_batch)
   batch_axes = batch_mesh_axes(c["logical_axis_rules"])
   batch_shards = math.prod(mesh[a] for a in batch_axes)
   if micro_batch % batch_shards:
-    raise ConfigError(f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
-                      f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
-                      f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})")
+    raise ConfigError(
+      f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
+      f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
+      f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})"
+    )
 
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
 
   run_name = c["run_name"] or datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
-  if "://" in c["base_output_directory"]:
-    # Metrics and checkpoint paths go through os.path; a URL would silently become a local folder.
-    raise ConfigError(f"base_output_directory={c['base_output_directory']}: remote URLs (gs://, ...) are not "
-                      "supported yet; use a local path or a filesystem every host mounts")
-  run_dir = os.path.join(c["base_output_directory"], run_name)
+  run_dir = paths.join(paths.absolute(c["base_output_directory"]), run_name)
   schedule_steps = c["steps"] if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
   c.update(
-      run_name=run_name,
-      learning_rate_schedule_steps=schedule_steps,
-      num_devices=num_devices,
-      num_slices=slices,
-      process_count=process_count,
-      ici_mesh_shape=[ici[a] for a in MESH_AXES],
-      dcn_mesh_shape=[dcn[a] for a in MESH_AXES],
-      mesh_shape=[mesh[a] for a in MESH_AXES],
-      batch_mesh_axes=list(batch_axes),
-      num_pipeline_stages=mesh["stage"],
-      num_pipeline_microbatches=microbatches,
-      # One optimizer step sees gradient_accumulation_steps microbatches of micro_batch_size each.
-      micro_batch_size=micro_batch,
-      global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],
-      run_dir=run_dir,
-      tensorboard_dir=os.path.join(run_dir, "tensorboard"),
-      checkpoint_dir=os.path.join(run_dir, "checkpoints"),
-      metrics_file=os.path.join(run_dir, "metrics.jsonl"),
-      num_params=parameter_count(c),
+    run_name=run_name,
+    learning_rate_schedule_steps=schedule_steps,
+    num_devices=num_devices,
+    num_slices=slices,
+    process_count=process_count,
+    ici_mesh_shape=[ici[a] for a in MESH_AXES],
+    dcn_mesh_shape=[dcn[a] for a in MESH_AXES],
+    mesh_shape=[mesh[a] for a in MESH_AXES],
+    batch_mesh_axes=list(batch_axes),
+    num_pipeline_stages=mesh["stage"],
+    num_pipeline_microbatches=microbatches,
+    # One optimizer step sees gradient_accumulation_steps microbatches of micro_batch_size each.
+    micro_batch_size=micro_batch,
+    global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],
+    run_dir=run_dir,
+    tensorboard_dir=paths.join(run_dir, "tensorboard"),
+    checkpoint_dir=paths.join(run_dir, "checkpoints"),
+    metrics_file=paths.join(run_dir, "metrics.jsonl"),
+    num_params=parameter_count(c),
   )
   return c

@@ -1,4 +1,14 @@
-"""Errors MaxLite reports to the user as a single line (no traceback)."""
+"""Errors MaxLite reports to the user as a single line (no traceback); `cli.run` prints them."""
+
+
+def first_line(error: BaseException, with_type: bool = False, limit: int = 240) -> str:
+  """An exception's first line of text, at most `limit` characters (libraries' messages run to many
+  lines), prefixed with its type name when asked or when it has no text."""
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  if with_type or not text:
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class MaxLiteError(Exception):
@@ -21,12 +31,5 @@ class LaunchError(MaxLiteError):
   """A pod launch cannot start: a bad flag value, gcloud missing, or a TPU slice not found."""
 
 
-def run_command(entry_point, *args) -> int:
-  """Run a command-line entry point: its MaxLiteError becomes one `error:` line and exit code 2."""
-  import sys  # pylint: disable=import-outside-toplevel
-  try:
-    result = entry_point(*args)
-  except MaxLiteError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return result if isinstance(result, int) else 0
+class UsageError(MaxLiteError):
+  """A command line that does not parse: an unknown flag, a missing required one, a bad value."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -34,8 +34,10 @@ def _device_array(config: Config, devices: Sequence[jax.Device]) -> np.ndarray:
   ici, dcn = list(config.ici_mesh_shape), list(config.dcn_mesh_shape)
   # Within a slice the ICI topology decides which devices are neighbours; mesh_utils knows it for
   # TPUs and falls back to a plain reshape elsewhere.
-  per_slice = [mesh_utils.create_device_mesh(ici, group, allow_split_physical_axes=True)
-               for group in _slice_groups(devices, config.num_slices)]
+  per_slice = [
+    mesh_utils.create_device_mesh(ici, group, allow_split_physical_axes=True)
+    for group in _slice_groups(devices, config.num_slices)
+  ]
   # Stack slices on the dcn axes, then interleave (dcn_i, ici_i) so each mesh axis is slice-major:
   # its outer factor steps across slices (slow DCN), its inner factor stays inside a slice.
   n = len(ici)

@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 import flax.linen as nn
-from flax.linen import partitioning as nn_partitioning
 import jax
+from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxLite.config import Config
@@ -68,13 +68,16 @@ def sharding_report(abstract_params: Any, logical_specs: Any, shardings: Any) ->
   for (path, leaf), logical, sharding in zip(flat_params, flat_logical, flat_shardings):
     name = "/".join(str(getattr(k, "key", k)) for k in path)
     mesh_axes = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-    rows.append((name, _shape(leaf.shape), _axes(tuple(logical)), _axes(mesh_axes),
-                 _shape(sharding.shard_shape(leaf.shape))))
+    rows.append(
+      (name, _shape(leaf.shape), _axes(tuple(logical)), _axes(mesh_axes), _shape(sharding.shard_shape(leaf.shape)))
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
   total = sum(leaf.size * leaf.dtype.itemsize for _, leaf in flat_params)
-  lines.append(f"parameters: {total / 2**20:.2f} MiB in total, "
-               f"{sharded_bytes(abstract_params, shardings) / 2**20:.2f} MiB per device")
+  lines.append(
+    f"parameters: {total / 2**20:.2f} MiB in total, "
+    f"{sharded_bytes(abstract_params, shardings) / 2**20:.2f} MiB per device"
+  )
   return "\n".join(lines)
 
 
@@ -91,4 +94,5 @@ def _axes(axes: tuple[Any, ...]) -> str:
     if a is None:
       return "-"
     return a if isinstance(a, str) else "+".join(a)
+
   return "(" + ", ".join(one(a) for a in axes) + ")"

@@ -27,10 +27,10 @@ class Chip:
 
 
 CHIPS = {
-    "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore"),
-    "v5p": Chip("v5p", 2, 3, 95 * GiB, 459.0, "megacore"),
-    "v5e": Chip("v5e", 1, 2, 16 * GiB, 197.0, None),
-    "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None),
+  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore"),
+  "v5p": Chip("v5p", 2, 3, 95 * GiB, 459.0, "megacore"),
+  "v5e": Chip("v5e", 1, 2, 16 * GiB, 197.0, None),
+  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None),
 }
 
 
@@ -64,8 +64,9 @@ def parse(name: str) -> Target:
   """'v5p-128' | 'v5e-16' | 'v4-8' | 'v6e-256' | 'cpu-8' -> Target."""
   match = re.fullmatch(r"(v4|v5p|v5e|v6e|cpu)-(\d+)", name)
   if not match:
-    raise ConfigError(f"compile_topology={name!r} is not one of v4-N, v5p-N, v5e-N, v6e-N (Cloud TPU names, "
-                      "e.g. v5p-128) or cpu-N")
+    raise ConfigError(
+      f"compile_topology={name!r} is not one of v4-N, v5p-N, v5e-N, v6e-N (Cloud TPU names, e.g. v5p-128) or cpu-N"
+    )
   family, n = match.group(1), int(match.group(2))
   if family == "cpu":
     if n < 1:
@@ -73,8 +74,10 @@ def parse(name: str) -> Target:
     return Target(name, "cpu", n, "", None)
   chip = CHIPS[family]
   if n % chip.cores_per_chip:
-    raise ConfigError(f"compile_topology={name!r}: {family}-N counts {chip.cores_per_chip} cores per chip, "
-                      f"so N must be a multiple of {chip.cores_per_chip}")
+    raise ConfigError(
+      f"compile_topology={name!r}: {family}-N counts {chip.cores_per_chip} cores per chip, "
+      f"so N must be a multiple of {chip.cores_per_chip}"
+    )
   chips = n // chip.cores_per_chip
   grid = chip_grid(chips, chip.dims)
   return Target(name, "tpu", chips, f"{family}:{'x'.join(map(str, grid))}", chip)
@@ -82,13 +85,16 @@ def parse(name: str) -> Target:
 
 def find_libtpu(repo_root: str) -> str | None:
   """libtpu.so from TPU_LIBRARY_PATH, setup.sh's .deps/libtpu, or an installed `libtpu` package."""
-  candidates = [os.environ.get("TPU_LIBRARY_PATH", ""),
-                os.path.join(repo_root, ".deps", "libtpu", "libtpu", "libtpu.so")]
+  candidates = [
+    os.environ.get("TPU_LIBRARY_PATH", ""),
+    os.path.join(repo_root, ".deps", "libtpu", "libtpu", "libtpu.so"),
+  ]
   for path in candidates:
     if path and os.path.isfile(path):
       return path
   try:
-    import libtpu  # pylint: disable=import-outside-toplevel
+    import libtpu
+
     return libtpu.get_library_path()
   except ImportError:
     return None

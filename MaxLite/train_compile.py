@@ -1,6 +1,9 @@
 """Compile the real train step ahead of time for a TPU topology (or cpu-N) and say whether it fits.
 
-  python MaxLite/train_compile.py configs/base.yml compile_topology=v5p-128 model_name=llama2-7b ...
+Usage:   python MaxLite/train_compile.py CONFIG.yml compile_topology=TOPOLOGY [key=value ...]
+         (or: maxlite-compile ...)
+Example: python MaxLite/train_compile.py configs/base.yml compile_topology=v5p-128 model_name=llama2-7b \
+           per_device_batch_size=4 max_target_length=4096 dtype=bfloat16 ici_fsdp_parallelism=-1
 
 Runs on any machine: TPU targets need only the libtpu library (setup.sh puts it in .deps/libtpu),
 never a TPU. Prints per-device memory (parameters, optimizer state, and the compiled program's
@@ -13,48 +16,54 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from MaxLite import cli, paths, topologies
+from MaxLite import config as config_lib
+from MaxLite.derived import MESH_AXES
+from MaxLite.errors import ConfigError
 
-from typing import Any, Sequence  # pylint: disable=wrong-import-position
-
-from MaxLite import config as config_lib, topologies  # pylint: disable=wrong-import-position
-from MaxLite.errors import ConfigError, run_command  # pylint: disable=wrong-import-position
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOES_NOT_FIT = 3
 
 
-def prepare_backend(target: topologies.Target, repo: str = REPO) -> None:
+def prepare_backend(target: topologies.Target, repo: str | None = None) -> None:
   """Environment for the target; must run before jax is imported."""
-  libtpu = topologies.find_libtpu(repo) if target.platform == "tpu" else None
+  libtpu = topologies.find_libtpu(repo or paths.bundled_root()) if target.platform == "tpu" else None
   if target.platform == "tpu" and libtpu is None:
-    raise ConfigError(f"compile_topology={target.name} needs libtpu (compile-only, no TPU required): run "
-                      "`bash setup.sh` (installs it into .deps/libtpu) or `pip install 'libtpu==0.0.42.*'`, "
-                      "or set TPU_LIBRARY_PATH to a libtpu.so")
+    raise ConfigError(
+      f"compile_topology={target.name} needs libtpu (compile-only, no TPU required): run "
+      "`bash setup.sh` (installs it into .deps/libtpu) or `pip install 'libtpu==0.0.42.*'`, "
+      "or set TPU_LIBRARY_PATH to a libtpu.so"
+    )
   os.environ["JAX_PLATFORMS"] = "cpu"  # the host backend only: no attempt to open a local TPU
   if libtpu is not None:
     os.environ["TPU_LIBRARY_PATH"] = libtpu
     # Without these, libtpu probes the cloud metadata server for a local TPU and logs errors when it
     # finds none; compiling for a named topology needs no local TPU.
-    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", target.name),
-                       ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+    for key, value in (
+      ("TPU_SKIP_MDS_QUERY", "1"),
+      ("TPU_ACCELERATOR_TYPE", target.name),
+      ("TPU_WORKER_HOSTNAMES", "localhost"),
+      ("TPU_WORKER_ID", "0"),
+    ):
       os.environ.setdefault(key, value)
   else:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={target.num_devices}")
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={target.num_devices}"
+    )
 
 
 def target_devices(target: topologies.Target, num_slices: int) -> list[Any]:
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
+
   if target.platform == "cpu":
     if num_slices != 1:
       raise ConfigError("compile_topology_num_slices must be 1 for cpu-N")
-    return jax.devices()[:target.num_devices]
-  from jax.experimental import topologies as jax_topologies  # pylint: disable=import-outside-toplevel
+    return jax.devices()[: target.num_devices]
+  from jax.experimental import topologies as jax_topologies
+
   kwargs = {"chip_config_name": target.chip.chip_config_name} if target.chip.chip_config_name else {}
   if num_slices > 1:
     kwargs["num_slices"] = num_slices
@@ -63,16 +72,17 @@ def target_devices(target: topologies.Target, num_slices: int) -> list[Any]:
 
 def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   """(lowered train step, per-device bytes of params and optimizer state) for `config` on `devices`."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax.linen import partitioning as nn_partitioning  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  from flax.linen import partitioning as nn_partitioning
 
-  from MaxLite import sharding  # pylint: disable=import-outside-toplevel
-  from MaxLite.mesh import create_mesh  # pylint: disable=import-outside-toplevel
-  from MaxLite.model import Transformer  # pylint: disable=import-outside-toplevel
-  from MaxLite.optimizer import create_optimizer  # pylint: disable=import-outside-toplevel
-  from MaxLite.train_state import abstract_state  # pylint: disable=import-outside-toplevel
-  from MaxLite.train_step import jit_train_step  # pylint: disable=import-outside-toplevel
+  from MaxLite import sharding
+  from MaxLite.data import BATCH_KEYS
+  from MaxLite.layers.decoder import Transformer
+  from MaxLite.mesh import create_mesh
+  from MaxLite.training.optimizer import create_optimizer
+  from MaxLite.training.train_state import abstract_state
+  from MaxLite.training.train_step import jit_train_step
 
   mesh = create_mesh(config, devices)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
@@ -80,10 +90,12 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
     abstract, _, shardings = abstract_state(model, tx, config, mesh)
     step = jit_train_step(config, shardings, sharding.batch_sharding(mesh, config), sharding.replicated(mesh))
     ids = jax.ShapeDtypeStruct((config.global_batch_size_to_train_on, config.max_target_length), jnp.int32)
-    batch = {k: ids for k in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")}
+    batch = {k: ids for k in BATCH_KEYS}
     lowered = step.lower(abstract, batch)
-  state_bytes = {"params": sharding.sharded_bytes(abstract.params, shardings.params),
-                 "optimizer": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state)}
+  state_bytes = {
+    "params": sharding.sharded_bytes(abstract.params, shardings.params),
+    "optimizer": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state),
+  }
   return lowered, state_bytes
 
 
@@ -92,10 +104,14 @@ def out_of_memory(message: str) -> str | None:
   if "RESOURCE_EXHAUSTED" not in message:
     return None
   first = next((line for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), message)
-  first = first[first.index("RESOURCE_EXHAUSTED"):]
+  first = first[first.index("RESOURCE_EXHAUSTED") :]
   sizes = [float(v) * 1024 ** "KMGT".index(u) * 1024 for v, u in re.findall(r"\(([\d.]+)([KMGT])\)", first)]
   if len(sizes) >= 2 and sizes[0] > sizes[1]:
-    return f"DOES NOT FIT: needs {_gib(sizes[0])} per device, {_gib(sizes[1])} available; short by {_gib(sizes[0] - sizes[1])} ({first})"
+    needed, available = sizes[0], sizes[1]
+    return (
+      f"DOES NOT FIT: needs {_gib(needed)} per device, {_gib(available)} available; "
+      f"short by {_gib(needed - available)} ({first})"
+    )
   return f"DOES NOT FIT: {first}"
 
 
@@ -107,46 +123,59 @@ def _tflop(n: float) -> str:
   return f"{n / 1e12:.2f} TFLOP" if n >= 1e12 else f"{n / 1e9:.2f} GFLOP"
 
 
-def report(config: Any, target: topologies.Target, compiled: Any, state_bytes: dict, seconds: float) -> tuple[str, bool]:
+def report(
+  config: Any, target: topologies.Target, compiled: Any, state_bytes: dict, seconds: float
+) -> tuple[str, bool]:
   """The printed summary and whether the step fits in the chip's HBM."""
-  from MaxLite import flops  # pylint: disable=import-outside-toplevel
+  from MaxLite.training import flops
+
   mem = compiled.memory_analysis()
   needed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0
   model_flops = flops.training_flops_per_step(config)["total"] / config.num_devices
+  mesh = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, config.mesh_shape) if n > 1) or "1"
+  tokens = config.global_batch_size_to_train_on * config.max_target_length
   lines = [
-      f"compiled train step for {target.name} x {config.num_slices} slice(s) ({config.num_devices} devices, "
-      f"mesh {' x '.join(f'{a}={n}' for a, n in zip(('data', 'stage', 'fsdp', 'sequence', 'tensor', 'expert'), config.mesh_shape) if n > 1) or '1'}) "
-      f"in {seconds:.1f} s",
-      f"model {config.model_name}: {config.num_params / 1e9:.3f}B params, global batch {config.global_batch_size_to_train_on} "
-      f"x {config.max_target_length} tokens, dtype {config.dtype}, weights {config.weight_dtype}, remat {config.remat_policy}",
-      "per device:",
-      f"  params          {_gib(state_bytes['params'])}",
-      f"  optimizer state {_gib(state_bytes['optimizer'])}",
-      f"  arguments       {_gib(mem.argument_size_in_bytes)} (state + batch, donated: {_gib(mem.alias_size_in_bytes)} reused for outputs)",
-      f"  outputs         {_gib(mem.output_size_in_bytes)}",
-      f"  temporaries     {_gib(mem.temp_size_in_bytes)} (activations, gradients, collectives)",
-      f"  total needed    {_gib(needed)}",
-      f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
-      "(compiled includes rematerialisation and non-matmul work"
-      + ("; XLA's TPU cost analysis counts the scanned layer loop once, compile with scan_layers=false "
-         "for the full count)" if config.scan_layers and target.platform == "tpu" else ")"),
+    f"compiled train step for {target.name} x {config.num_slices} slice(s) ({config.num_devices} devices, "
+    f"mesh {mesh}) in {seconds:.1f} s",
+    f"model {config.model_name}: {config.num_params / 1e9:.3f}B params, global batch "
+    f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
+    f"weights {config.weight_dtype}, remat {config.remat_policy}",
+    "per device:",
+    f"  params          {_gib(state_bytes['params'])}",
+    f"  optimizer state {_gib(state_bytes['optimizer'])}",
+    f"  arguments       {_gib(mem.argument_size_in_bytes)} (state + batch, donated: "
+    f"{_gib(mem.alias_size_in_bytes)} reused for outputs)",
+    f"  outputs         {_gib(mem.output_size_in_bytes)}",
+    f"  temporaries     {_gib(mem.temp_size_in_bytes)} (activations, gradients, collectives)",
+    f"  total needed    {_gib(needed)}",
+    f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
+    "(compiled includes rematerialisation and non-matmul work"
+    + (
+      "; XLA's TPU cost analysis counts the scanned layer loop once, compile with scan_layers=false for the full count)"
+      if config.scan_layers and target.platform == "tpu"
+      else ")"
+    ),
   ]
   fits = True
   if target.chip is not None:
     hbm = target.chip.hbm_bytes
     fits = needed <= hbm
-    verdict = (f"fits: {_gib(needed)} of {_gib(hbm)} HBM ({100 * needed / hbm:.0f}%)" if fits else
-               f"DOES NOT FIT: needs {_gib(needed)} but a {target.chip.family} chip has {_gib(hbm)} HBM; "
-               f"short by {_gib(needed - hbm)} per device")
+    verdict = (
+      f"fits: {_gib(needed)} of {_gib(hbm)} HBM ({100 * needed / hbm:.0f}%)"
+      if fits
+      else f"DOES NOT FIT: needs {_gib(needed)} but a {target.chip.family} chip has {_gib(hbm)} HBM; "
+      f"short by {_gib(needed - hbm)} per device"
+    )
     peak = target.chip.peak_bf16_tflops * 1e12
-    lines += [f"HBM per device: {_gib(hbm)} -> {verdict}",
-              f"roofline step time at the {target.chip.family} bf16 peak ({target.chip.peak_bf16_tflops:.0f} TFLOP/s): "
-              f"{model_flops / peak:.4g} s for model FLOPs, {compiled_flops / peak:.4g} s for compiled FLOPs "
-              f"-> at most {config.global_batch_size_to_train_on * config.max_target_length / (model_flops / peak) / config.num_devices:,.0f} "
-              "tokens/s/device"]
+    lines += [
+      f"HBM per device: {_gib(hbm)} -> {verdict}",
+      f"roofline step time at the {target.chip.family} bf16 peak ({target.chip.peak_bf16_tflops:.0f} TFLOP/s): "
+      f"{model_flops / peak:.4g} s for model FLOPs, {compiled_flops / peak:.4g} s for compiled FLOPs "
+      f"-> at most {tokens / (model_flops / peak) / config.num_devices:,.0f} tokens/s/device",
+    ]
   return "\n".join(lines), fits
 
 
@@ -168,25 +197,32 @@ def run(argv: Sequence[str]) -> int:
   lowered, state_bytes = lower_train_step(config, devices)
   try:
     compiled = lowered.compile()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     oom = out_of_memory(str(e))
     if oom is None:
       raise
-    print(f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])} + optimizer state "
-          f"{_gib(state_bytes['optimizer'])} per device\n{oom}", flush=True)
+    print(
+      f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])} + optimizer state "
+      f"{_gib(state_bytes['optimizer'])} per device\n{oom}",
+      flush=True,
+    )
     return DOES_NOT_FIT
   text, fits = report(config, target, compiled, state_bytes, time.perf_counter() - start)
   print(text, flush=True)
   if config.compiled_trainstep_file:
-    from jax.experimental import serialize_executable  # pylint: disable=import-outside-toplevel
+    from jax.experimental import serialize_executable
+
     # Only the executable's bytes: its argument trees hold the model's apply function, which does
     # not pickle; serialize_executable.deserialize_and_load takes them from the same config again.
     payload, _, _ = serialize_executable.serialize(compiled)
-    with open(config.compiled_trainstep_file, "wb") as f:
-      f.write(payload)
+    paths.write_bytes(config.compiled_trainstep_file, payload)
     print(f"saved the serialized executable ({len(payload):,} bytes) to {config.compiled_trainstep_file}")
   return 0 if fits else DOES_NOT_FIT
 
 
+def main() -> None:
+  cli.run_config_tool(run, __doc__)
+
+
 if __name__ == "__main__":
-  sys.exit(run_command(run, sys.argv[1:]))
+  main()

@@ -15,29 +15,45 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from flax.linen import partitioning as nn_partitioning
 
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-from flax.linen import partitioning as nn_partitioning  # noqa: E402  pylint: disable=wrong-import-position
-
-from MaxLite import checkpointing, sharding  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.config import load_config  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.input_pipeline import make_iterator  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.mesh import create_mesh  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.model import Transformer  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.optimizer import create_optimizer  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.train_state import abstract_state, create_train_state, total_bytes  # noqa: E402  pylint: disable=wrong-import-position
+from MaxLite import sharding
+from MaxLite.checkpoint import manager as checkpointing
+from MaxLite.config import load_config
+from MaxLite.data.input_pipeline import make_iterator
+from MaxLite.layers.decoder import Transformer
+from MaxLite.mesh import create_mesh
+from MaxLite.training.optimizer import create_optimizer
+from MaxLite.training.train_state import abstract_state, create_train_state, total_bytes
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
-MODEL_100M = ("base_emb_dim=768", "base_num_query_heads=12", "base_num_kv_heads=12", "head_dim=64",
-              "base_mlp_dim=2048", "base_num_decoder_layers=12", "vocab_size=8192", "dataset_type=synthetic",
-              "max_target_length=128", "per_device_batch_size=1")
+MODEL_100M = (
+  "base_emb_dim=768",
+  "base_num_query_heads=12",
+  "base_num_kv_heads=12",
+  "head_dim=64",
+  "base_mlp_dim=2048",
+  "base_num_decoder_layers=12",
+  "vocab_size=8192",
+  "dataset_type=synthetic",
+  "max_target_length=128",
+  "per_device_batch_size=1",
+)
 
 
 def _bench(overrides: list[str], out_dir: str, async_on: bool) -> dict:
-  config = load_config([BASE_YML, *MODEL_100M, *overrides, f"base_output_directory={out_dir}",
-                        f"run_name=async_{async_on}", "enable_checkpointing=true",
-                        f"async_checkpointing={str(async_on).lower()}"])
+  config = load_config(
+    [
+      BASE_YML,
+      *MODEL_100M,
+      *overrides,
+      f"base_output_directory={out_dir}",
+      f"run_name=async_{async_on}",
+      "enable_checkpointing=true",
+      f"async_checkpointing={str(async_on).lower()}",
+    ]
+  )
   mesh = create_mesh(config)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     model, tx = Transformer(config), create_optimizer(config)
@@ -59,8 +75,14 @@ def _bench(overrides: list[str], out_dir: str, async_on: bool) -> dict:
     jax.block_until_ready(restored)
     restore_s = time.perf_counter() - start
     manager.close()
-  return {"async_checkpointing": async_on, "params": config.num_params, "state_bytes": total_bytes(restored),
-          "save_blocks_loop_s": round(blocked, 3), "save_total_s": round(total, 3), "restore_s": round(restore_s, 3)}
+  return {
+    "async_checkpointing": async_on,
+    "params": config.num_params,
+    "state_bytes": total_bytes(restored),
+    "save_blocks_loop_s": round(blocked, 3),
+    "save_total_s": round(total, 3),
+    "restore_s": round(restore_s, 3),
+  }
 
 
 def main() -> None:

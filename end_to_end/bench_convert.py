@@ -19,12 +19,11 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-import ml_dtypes  # noqa: E402  pylint: disable=wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import ml_dtypes
+import numpy as np
 
-from MaxLite.safetensors_io import write_checkpoint  # noqa: E402  pylint: disable=wrong-import-position
+from MaxLite.checkpoint.safetensors_io import write_checkpoint
 
 HIDDEN, LAYERS, HEADS, MLP, VOCAB = 2048, 16, 16, 5632, 32000
 
@@ -32,23 +31,45 @@ HIDDEN, LAYERS, HEADS, MLP, VOCAB = 2048, 16, 16, 5632, 32000
 def _random_checkpoint(path: str, dtype: str) -> int:
   rng = np.random.default_rng(0)
   np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-  shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN)), ("model.norm.weight", (HIDDEN,)),
-            ("lm_head.weight", (VOCAB, HIDDEN))]
+  shapes = [
+    ("model.embed_tokens.weight", (VOCAB, HIDDEN)),
+    ("model.norm.weight", (HIDDEN,)),
+    ("lm_head.weight", (VOCAB, HIDDEN)),
+  ]
   for i in range(LAYERS):
-    for name, shape in (("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.k_proj.weight", (HIDDEN, HIDDEN)),
-                        ("self_attn.v_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                        ("mlp.gate_proj.weight", (MLP, HIDDEN)), ("mlp.up_proj.weight", (MLP, HIDDEN)),
-                        ("mlp.down_proj.weight", (HIDDEN, MLP)), ("input_layernorm.weight", (HIDDEN,)),
-                        ("post_attention_layernorm.weight", (HIDDEN,))):
+    for name, shape in (
+      ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+      ("self_attn.k_proj.weight", (HIDDEN, HIDDEN)),
+      ("self_attn.v_proj.weight", (HIDDEN, HIDDEN)),
+      ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+      ("mlp.gate_proj.weight", (MLP, HIDDEN)),
+      ("mlp.up_proj.weight", (MLP, HIDDEN)),
+      ("mlp.down_proj.weight", (HIDDEN, MLP)),
+      ("input_layernorm.weight", (HIDDEN,)),
+      ("post_attention_layernorm.weight", (HIDDEN,)),
+    ):
       shapes.append((f"model.layers.{i}.{name}", shape))
-  tensors = [(n, s, np_dtype, lambda s=s: (rng.standard_normal(s, np.float32) * 0.02).astype(np_dtype))
-             for n, s in shapes]
+  tensors = [
+    (n, s, np_dtype, lambda s=s: (rng.standard_normal(s, np.float32) * 0.02).astype(np_dtype)) for n, s in shapes
+  ]
   files = write_checkpoint(path, tensors, max_shard_bytes=sum(np.prod(s) for _, s in shapes) * np_dtype.itemsize // 2)
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": MLP,
-               "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "num_hidden_layers": LAYERS,
-               "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-               "tie_word_embeddings": False}, f)
+    json.dump(
+      {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "intermediate_size": MLP,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "num_hidden_layers": LAYERS,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+      },
+      f,
+    )
   return sum(os.path.getsize(os.path.join(path, f)) for f in files)
 
 
@@ -59,9 +80,12 @@ def _du(path: str) -> int:
 def _run(args: list[str]) -> tuple[float, float]:
   """(seconds, peak RSS GiB) of one converter run, measured by GNU time in its own process tree."""
   start = time.perf_counter()
-  proc = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB=%M", sys.executable,
-                         os.path.join(REPO, "MaxLite", "convert_hf.py"), *args],
-                        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = subprocess.run(
+    ["/usr/bin/time", "-f", "MAXRSS_KB=%M", sys.executable, os.path.join(REPO, "MaxLite", "convert_hf.py"), *args],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   if proc.returncode:
     raise SystemExit(proc.stderr[-3000:])
   peak_kb = int(proc.stderr.rsplit("MAXRSS_KB=", 1)[1].split()[0])
@@ -74,15 +98,43 @@ def main(argv: list[str]) -> None:
   work = flags.get("workdir") or tempfile.mkdtemp(prefix="bench_convert_")
   try:
     on_disk = _random_checkpoint(os.path.join(work, "hf"), dtype)
-    seconds, rss = _run(["to_maxlite", f"--hf_path={os.path.join(work, 'hf')}",
-                         f"--output_path={os.path.join(work, 'ml')}", f"weight_dtype={dtype}"])
-    print(json.dumps({"direction": "to_maxlite", "params": 0.95e9, "dtype": dtype, "seconds": round(seconds, 1),
-                      "peak_rss_gib": round(rss, 2), "input_gib": round(on_disk / 2**30, 2),
-                      "output_gib": round(_du(os.path.join(work, "ml")) / 2**30, 2)}), flush=True)
-    seconds, rss = _run(["to_hf", f"--checkpoint_path={os.path.join(work, 'ml', '0')}",
-                         f"--output_path={os.path.join(work, 'hf_back')}"])
-    print(json.dumps({"direction": "to_hf", "dtype": dtype, "seconds": round(seconds, 1), "peak_rss_gib": round(rss, 2),
-                      "output_gib": round(_du(os.path.join(work, "hf_back")) / 2**30, 2)}), flush=True)
+    seconds, rss = _run(
+      [
+        "to_maxlite",
+        f"--hf_path={os.path.join(work, 'hf')}",
+        f"--output_path={os.path.join(work, 'ml')}",
+        f"weight_dtype={dtype}",
+      ]
+    )
+    print(
+      json.dumps(
+        {
+          "direction": "to_maxlite",
+          "params": 0.95e9,
+          "dtype": dtype,
+          "seconds": round(seconds, 1),
+          "peak_rss_gib": round(rss, 2),
+          "input_gib": round(on_disk / 2**30, 2),
+          "output_gib": round(_du(os.path.join(work, "ml")) / 2**30, 2),
+        }
+      ),
+      flush=True,
+    )
+    seconds, rss = _run(
+      ["to_hf", f"--checkpoint_path={os.path.join(work, 'ml', '0')}", f"--output_path={os.path.join(work, 'hf_back')}"]
+    )
+    print(
+      json.dumps(
+        {
+          "direction": "to_hf",
+          "dtype": dtype,
+          "seconds": round(seconds, 1),
+          "peak_rss_gib": round(rss, 2),
+          "output_gib": round(_du(os.path.join(work, "hf_back")) / 2**30, 2),
+        }
+      ),
+      flush=True,
+    )
   finally:
     if "workdir" not in flags:
       shutil.rmtree(work, ignore_errors=True)

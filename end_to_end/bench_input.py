@@ -17,10 +17,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from MaxLite.data.grain_pipeline import make_grain_iterator  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.errors import MaxLiteError  # noqa: E402  pylint: disable=wrong-import-position
+from MaxLite.data.grain_pipeline import make_grain_iterator
+from MaxLite.errors import MaxLiteError
 
 
 def main() -> int:
@@ -36,9 +35,18 @@ def main() -> int:
   args = p.parse_args()
   start = time.perf_counter()
   try:
-    it = make_grain_iterator(args.files, tokenizer_path=args.tokenizer_path, seq_len=args.seq_len,
-                             batch_size=args.batch_size, shard_index=0, shard_count=1, seed=args.seed,
-                             add_bos=True, add_eos=True, worker_count=args.worker_count)
+    it = make_grain_iterator(
+      args.files,
+      tokenizer_path=args.tokenizer_path,
+      seq_len=args.seq_len,
+      batch_size=args.batch_size,
+      shard_index=0,
+      shard_count=1,
+      seed=args.seed,
+      add_bos=True,
+      add_eos=True,
+      worker_count=args.worker_count,
+    )
     next(it)
   except MaxLiteError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -52,10 +60,22 @@ def main() -> int:
     real += int((next(it)["inputs_segmentation"] > 0).sum())
   seconds = time.perf_counter() - t0
   tokens = args.batches * args.batch_size * args.seq_len
-  print(json.dumps({"bench": "input", "seq_len": args.seq_len, "batch_size": args.batch_size,
-                    "batches": args.batches, "worker_count": args.worker_count, "seconds": round(seconds, 4),
-                    "tokens_per_s": round(tokens / seconds, 1), "batches_per_s": round(args.batches / seconds, 1),
-                    "real_fraction": round(real / tokens, 4), "first_batch_s": round(first, 3)}))
+  print(
+    json.dumps(
+      {
+        "bench": "input",
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "batches": args.batches,
+        "worker_count": args.worker_count,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "batches_per_s": round(args.batches / seconds, 1),
+        "real_fraction": round(real / tokens, 4),
+        "first_batch_s": round(first, 3),
+      }
+    )
+  )
   it.close()
   return 0
 

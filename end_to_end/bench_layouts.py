@@ -20,56 +20,50 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=wrong-import-position
-from flax.linen import partitioning as nn_partitioning  # noqa: E402  pylint: disable=wrong-import-position
+import jax
 
-from MaxLite import sharding  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.config import load_config  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.mesh import create_mesh  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.model import Transformer  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.optimizer import create_optimizer  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.train_state import abstract_state  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.train_step import jit_train_step  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.trainer import train  # noqa: E402  pylint: disable=wrong-import-position
+from MaxLite.config import load_config
+from MaxLite.train_compile import lower_train_step
+from MaxLite.training.trainer import train
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
-DENSE = ("model_name=tiny", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8",
-         "base_num_decoder_layers=4")
+DENSE = ("model_name=tiny", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8", "base_num_decoder_layers=4")
 MOE = ("model_name=tiny-moe", "base_num_decoder_layers=4")
-COMMON = ("max_target_length=128", "per_device_batch_size=2", "dataset_type=synthetic", "steps=8",
-          "enable_tensorboard=false", "eval_interval=-1", "log_period=100", "jax_cache_dir=")
+COMMON = (
+  "max_target_length=128",
+  "per_device_batch_size=2",
+  "dataset_type=synthetic",
+  "steps=8",
+  "enable_tensorboard=false",
+  "eval_interval=-1",
+  "log_period=100",
+  "jax_cache_dir=",
+)
 LAYOUTS = {
-    "fsdp8": DENSE + ("ici_fsdp_parallelism=8",),
-    "data8": DENSE + ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
-    "tensor8": DENSE + ("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"),
-    "tensor2_fsdp4": DENSE + ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
-    "sequence4_fsdp2": DENSE + ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"),
-    "stage2_fsdp4": DENSE + ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
-    "stage2_fsdp4_micro4": DENSE + ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
-                                    "num_pipeline_microbatches=4"),
-    "stage2_tensor2_data2": DENSE + ("ici_pipeline_parallelism=2", "ici_tensor_parallelism=2",
-                                     "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
-    "moe_fsdp8": MOE + ("ici_fsdp_parallelism=8",),
-    "moe_expert4_fsdp2": MOE + ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+  "fsdp8": DENSE + ("ici_fsdp_parallelism=8",),
+  "data8": DENSE + ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
+  "tensor8": DENSE + ("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"),
+  "tensor2_fsdp4": DENSE + ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
+  "sequence4_fsdp2": DENSE + ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"),
+  "stage2_fsdp4": DENSE + ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+  "stage2_fsdp4_micro4": DENSE
+  + ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"),
+  "stage2_tensor2_data2": DENSE
+  + ("ici_pipeline_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
+  "moe_fsdp8": MOE + ("ici_fsdp_parallelism=8",),
+  "moe_expert4_fsdp2": MOE + ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
 }
 
 
 def _memory(config) -> dict:
-  mesh = create_mesh(config)
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
-    model, tx = Transformer(config), create_optimizer(config)
-    abstract, _, shardings = abstract_state(model, tx, config, mesh)
-    step = jit_train_step(config, shardings, sharding.batch_sharding(mesh, config), sharding.replicated(mesh))
-    ids = jax.ShapeDtypeStruct((config.micro_batch_size * config.gradient_accumulation_steps,
-                                config.max_target_length), jnp.int32)
-    batch = {k: ids for k in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")}
-    analysis = step.lower(abstract, batch).compile().memory_analysis()
-  return {"params_bytes_per_device": sharding.sharded_bytes(abstract.params, shardings.params),
-          "optimizer_bytes_per_device": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state),
-          "compiled_temp_bytes_per_device": int(analysis.temp_size_in_bytes)}
+  lowered, state_bytes = lower_train_step(config, jax.devices())
+  analysis = lowered.compile().memory_analysis()
+  return {
+    "params_bytes_per_device": state_bytes["params"],
+    "optimizer_bytes_per_device": state_bytes["optimizer"],
+    "compiled_temp_bytes_per_device": int(analysis.temp_size_in_bytes),
+  }
 
 
 def main(argv: list[str]) -> None:
@@ -77,16 +71,22 @@ def main(argv: list[str]) -> None:
   overrides = [a for a in argv if "=" in a]
   for name in wanted:
     with tempfile.TemporaryDirectory() as out:
-      config = load_config([BASE_YML, *COMMON, *LAYOUTS[name], *overrides, f"base_output_directory={out}",
-                            "run_name=bench"])
+      config = load_config(
+        [BASE_YML, *COMMON, *LAYOUTS[name], *overrides, f"base_output_directory={out}", "run_name=bench"]
+      )
       rows = train(config)
     step_times = [r["step_time_s"] for r in rows[2:]]  # step 1 compiles, step 2 may still warm up
-    result = {"layout": name, "mesh": {k: v for k, v in zip(("data", "stage", "fsdp", "sequence", "tensor", "expert"),
-                                                             config.mesh_shape) if v > 1},
-              "median_step_s": round(statistics.median(step_times), 4),
-              "tokens_per_s": round(config.global_batch_size_to_train_on * config.max_target_length
-                                    / statistics.median(step_times)),
-              **_memory(config)}
+    result = {
+      "layout": name,
+      "mesh": {
+        k: v for k, v in zip(("data", "stage", "fsdp", "sequence", "tensor", "expert"), config.mesh_shape) if v > 1
+      },
+      "median_step_s": round(statistics.median(step_times), 4),
+      "tokens_per_s": round(
+        config.global_batch_size_to_train_on * config.max_target_length / statistics.median(step_times)
+      ),
+      **_memory(config),
+    }
     print(json.dumps(result), flush=True)
 
 

@@ -19,15 +19,13 @@ import time
 
 _START = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=wrong-import-position
+import jax
 
-from MaxLite import flops  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.config import load_config  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.layers.quantities import dtype_of  # noqa: E402  pylint: disable=wrong-import-position
-from MaxLite.trainer import train  # noqa: E402  pylint: disable=wrong-import-position
+from MaxLite.config import load_config
+from MaxLite.layers.quantities import dtype_of
+from MaxLite.training import flops
+from MaxLite.training.trainer import train
 
 WARMUP_STEPS = 3
 
@@ -43,7 +41,7 @@ def matmul_peak_tflops(dtype: str, n: int = 2048, repeats: int = 10) -> float:
     start = time.perf_counter()
     matmul(a, b).block_until_ready()
     best = min(best, time.perf_counter() - start)
-  return 2 * n ** 3 / best / 1e12
+  return 2 * n**3 / best / 1e12
 
 
 def main(argv: list[str]) -> None:
@@ -65,15 +63,28 @@ def main(argv: list[str]) -> None:
   step_s = statistics.median(r["step_time_s"] for r in rows[WARMUP_STEPS:])
   tokens = config.global_batch_size_to_train_on * config.max_target_length
   tflops_per_device = flops.tflops_per_device_per_step(config) / step_s
-  print(json.dumps({
-      "config": os.path.relpath(config_path, REPO), "overrides": overrides, "devices": config.num_devices,
-      "dtype": config.dtype, "model_params": config.num_params, "tokens_per_step": tokens,
-      "steps_timed": len(rows) - WARMUP_STEPS, "median_step_s": round(step_s, 4),
-      "tokens_per_s": round(tokens / step_s, 1), "tflops_per_device": round(tflops_per_device, 4),
-      "matmul_peak_tflops": round(peak, 4), "mfu_vs_matmul_peak": round(tflops_per_device / peak, 4),
-      "first_step_s": round(rows[0]["step_time_s"], 2), "launch_to_first_step_s": round(launch_to_first_step, 2),
-      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-  }), flush=True)
+  print(
+    json.dumps(
+      {
+        "config": os.path.relpath(config_path, REPO),
+        "overrides": overrides,
+        "devices": config.num_devices,
+        "dtype": config.dtype,
+        "model_params": config.num_params,
+        "tokens_per_step": tokens,
+        "steps_timed": len(rows) - WARMUP_STEPS,
+        "median_step_s": round(step_s, 6),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tflops_per_device": round(tflops_per_device, 4),
+        "matmul_peak_tflops": round(peak, 4),
+        "mfu_vs_matmul_peak": round(tflops_per_device / peak, 4),
+        "first_step_s": round(rows[0]["step_time_s"], 2),
+        "launch_to_first_step_s": round(launch_to_first_step, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+      }
+    ),
+    flush=True,
+  )
 
 
 if __name__ == "__main__":

@@ -28,15 +28,22 @@ def train_command(*overrides: str) -> list[str]:
 
 
 def launch_command(num_processes: int, devices: int, *overrides: str) -> list[str]:
-  return [sys.executable, LAUNCH, f"--num_processes={num_processes}", f"--devices_per_process={devices}", BASE_YML,
-          *overrides]
+  return [
+    sys.executable,
+    LAUNCH,
+    f"--num_processes={num_processes}",
+    f"--devices_per_process={devices}",
+    BASE_YML,
+    *overrides,
+  ]
 
 
 def start(command: list[str], log_path: str, devices: int = 1) -> subprocess.Popen:
   """Own session, so the test can kill the process and all its children at once."""
-  log = open(log_path, "ab")  # pylint: disable=consider-using-with
-  return subprocess.Popen(command, env=env_with_devices(devices), stdout=log, stderr=subprocess.STDOUT,
-                          start_new_session=True)
+  log = open(log_path, "ab")
+  return subprocess.Popen(
+    command, env=env_with_devices(devices), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+  )
 
 
 def run(command: list[str], log_path: str, devices: int = 1, timeout: float = 300) -> int:

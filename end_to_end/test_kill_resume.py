@@ -10,11 +10,17 @@ import signal
 import time
 
 import orbax.checkpoint as ocp
-
 import procs
 
-TINY = ("model_name=tiny", "max_target_length=64", "enable_tensorboard=false", "learning_rate=1e-2",
-        "learning_rate_schedule_steps=16", "eval_interval=-1", "log_period=1")
+TINY = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "enable_tensorboard=false",
+  "learning_rate=1e-2",
+  "learning_rate_schedule_steps=16",
+  "eval_interval=-1",
+  "log_period=1",
+)
 
 
 def _run_losses(tmp_path, overrides, run_name, devices=1):
@@ -26,8 +32,15 @@ def _run_losses(tmp_path, overrides, run_name, devices=1):
 
 def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
   """fsdp=4 x tensor=2 on 8 devices, real grain data, checkpoint every 4 steps."""
-  args = (*TINY, "dataset_type=grain", "per_device_batch_size=1", "ici_fsdp_parallelism=4",
-          "ici_tensor_parallelism=2", "steps=12", f"base_output_directory={tmp_path}")
+  args = (
+    *TINY,
+    "dataset_type=grain",
+    "per_device_batch_size=1",
+    "ici_fsdp_parallelism=4",
+    "ici_tensor_parallelism=2",
+    "steps=12",
+    f"base_output_directory={tmp_path}",
+  )
   straight = _run_losses(tmp_path, args, "a", devices=8)
   command = procs.train_command(*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=4")
   metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
@@ -54,14 +67,23 @@ def test_sigterm_saves_current_step_and_exits_0(tmp_path):
   resumed = _run_losses(tmp_path, (*run_args, f"steps={stopped_at + 2}"), "b")
   straight = _run_losses(tmp_path, (*args, f"steps={stopped_at + 2}"), "a")
   assert {s: resumed[s] for s in (stopped_at + 1, stopped_at + 2)} == {
-      s: straight[s] for s in (stopped_at + 1, stopped_at + 2)}
+    s: straight[s] for s in (stopped_at + 1, stopped_at + 2)
+  }
 
 
 def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   """Save every step with a model whose saves take longer than a step, kill while one is in flight."""
-  args = ("dataset_type=synthetic", "max_target_length=32", "per_device_batch_size=1", "enable_tensorboard=false",
-          "learning_rate_schedule_steps=16", "eval_interval=-1", "log_period=1", f"base_output_directory={tmp_path}")
-  run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1", "max_checkpoints_to_keep=-1")
+  args = (
+    "dataset_type=synthetic",
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "enable_tensorboard=false",
+    "learning_rate_schedule_steps=16",
+    "eval_interval=-1",
+    "log_period=1",
+    f"base_output_directory={tmp_path}",
+  )
+  run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1", "max_num_checkpoints_to_keep=-1")
   ckpt_dir, log = tmp_path / "b" / "checkpoints", str(tmp_path / "b.log")
   proc = procs.start(procs.train_command(*run_args, "run_name=b", "steps=100000"), log)
   deadline, in_flight = time.monotonic() + 300, []

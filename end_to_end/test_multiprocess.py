@@ -1,15 +1,28 @@
 """Several real processes joined by jax.distributed (gloo), started by MaxLite/launch_local.py."""
 
+import json
 import os
 import re
 import signal
+import sys
 import time
 
+import numpy as np
 import procs
 
-TINY = ("model_name=tiny", "max_target_length=64", "enable_tensorboard=false", "learning_rate=1e-2",
-        "learning_rate_schedule_steps=16", "eval_interval=-1", "log_period=1", "dataset_type=grain",
-        "per_device_batch_size=1", "ici_fsdp_parallelism=8", "steps=8")
+TINY = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "enable_tensorboard=false",
+  "learning_rate=1e-2",
+  "learning_rate_schedule_steps=16",
+  "eval_interval=-1",
+  "log_period=1",
+  "dataset_type=grain",
+  "per_device_batch_size=1",
+  "ici_fsdp_parallelism=8",
+  "steps=8",
+)
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -45,13 +58,22 @@ def test_two_processes_killed_and_resumed_match_uninterrupted_run(tmp_path):
   assert max(resumed) == 8 and min(resumed) <= 6
   assert resumed == {s: straight[s] for s in resumed}  # bit for bit
   assert sorted(os.listdir(tmp_path / "b" / "checkpoints" / "8" / "data_iter")) == [
-      "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
+    "commit_success.txt",
+    "process_0-of-2.json",
+    "process_1-of-2.json",
+  ]
 
 
 def test_sigterm_to_the_job_saves_the_same_step_on_every_process(tmp_path):
   """jax.distributed's preemption sync: both processes agree on the step, save it, exit 0."""
-  args = (*TINY[:-1], "steps=100000", f"base_output_directory={tmp_path}", "run_name=p", "enable_checkpointing=true",
-          "checkpoint_period=100000")
+  args = (
+    *TINY[:-1],
+    "steps=100000",
+    f"base_output_directory={tmp_path}",
+    "run_name=p",
+    "enable_checkpointing=true",
+    "checkpoint_period=100000",
+  )
   metrics, log = str(tmp_path / "p" / "metrics.jsonl"), str(tmp_path / "launch.log")
   launcher = procs.start(procs.launch_command(2, 4, *args), log)
   procs.wait_for_step(launcher, metrics, 3, log)
@@ -98,14 +120,27 @@ def test_a_crashed_process_fails_the_launch_fast_and_leaves_no_orphans(tmp_path)
 def test_unreachable_coordinator_is_one_clear_line_within_the_timeout(tmp_path):
   log = str(tmp_path / "log")
   start = time.monotonic()
-  code = procs.run(procs.train_command("model_name=tiny", "skip_jax_distributed_system=false",
-                                       "coordinator_address=127.0.0.1:9", "num_processes=2", "process_id=1",
-                                       "jax_distributed_initialization_timeout=5", f"base_output_directory={tmp_path}"),
-                   log, timeout=60)
+  code = procs.run(
+    procs.train_command(
+      "model_name=tiny",
+      "skip_jax_distributed_system=false",
+      "coordinator_address=127.0.0.1:9",
+      "num_processes=2",
+      "process_id=1",
+      "jax_distributed_initialization_timeout=5",
+      f"base_output_directory={tmp_path}",
+    ),
+    log,
+    timeout=60,
+  )
   assert code == 2 and time.monotonic() - start < 30
   output = procs.tail(log, lines=3)
-  assert "Traceback" not in output and "error: jax.distributed: not all 2 processes joined coordinator 127.0.0.1:9 " \
-      "within jax_distributed_initialization_timeout=5s (this is process_id=1)" in output, output
+  assert (
+    "Traceback" not in output
+    and "error: jax.distributed: not all 2 processes joined coordinator 127.0.0.1:9 "
+    "within jax_distributed_initialization_timeout=5s (this is process_id=1)"
+    in output
+  ), output
 
 
 def test_two_processes_equal_one_process_with_the_same_eight_devices(tmp_path):
@@ -120,3 +155,58 @@ def test_two_processes_equal_one_process_with_the_same_eight_devices(tmp_path):
   assert sorted(two) == sorted(one) == list(range(1, 9))
   for step, loss in one.items():
     assert abs(two[step] - loss) <= 1e-5 * abs(loss), (step, two[step], loss)
+
+
+def test_any_device_order_feeds_each_process_its_own_rows(tmp_path):
+  """A mesh whose hosts alternate along the batch (v5p-32 and larger) trains like the contiguous one."""
+  from MaxLite.launch.local import free_port
+
+  worker = os.path.join(procs.REPO, "end_to_end", "device_order_worker.py")
+  args = (*TINY[:-1], "steps=4", "run_name=r", "enable_checkpointing=false", "jax_cache_dir=")
+  for order in ("contiguous", "interleaved"):
+    port, log = free_port(), str(tmp_path / f"{order}.log")
+    out = [f"base_output_directory={tmp_path / order}"]
+    workers = [
+      procs.start([sys.executable, worker, order, str(port), str(i), str(tmp_path), *args, *out], log, devices=4)
+      for i in range(2)
+    ]
+    assert [w.wait(timeout=300) for w in workers] == [0, 0], procs.tail(log, lines=40)
+  fed = {
+    (o, i): json.loads((tmp_path / f"rows_{o}_{i}.json").read_text())
+    for o in ("contiguous", "interleaved")
+    for i in (0, 1)
+  }
+  assert fed["contiguous", 0] == {"rows": [0, 1, 2, 3], "shard": [0, 2]}
+  assert fed["interleaved", 0] == {"rows": [0, 1, 4, 5], "shard": [0, 2]}
+  assert fed["interleaved", 1] == {"rows": [2, 3, 6, 7], "shard": [1, 2]}
+  contiguous, interleaved = (
+    json.loads((tmp_path / f"losses_{o}.json").read_text()) for o in ("contiguous", "interleaved")
+  )
+  assert len(contiguous) == 4
+  # The same rows on other devices: the same batch, summed in another order.
+  np.testing.assert_allclose(interleaved, contiguous, rtol=1e-5)
+
+
+def test_a_worker_started_with_another_command_stops_the_job_with_one_line(tmp_path):
+  from MaxLite.launch.local import free_port
+
+  port = free_port()
+  common = (
+    *TINY,
+    f"base_output_directory={tmp_path}",
+    "run_name=m",
+    "skip_jax_distributed_system=false",
+    f"coordinator_address=127.0.0.1:{port}",
+    "num_processes=2",
+    "jax_cache_dir=",
+  )
+  logs = [str(tmp_path / f"p{i}.log") for i in range(2)]
+  workers = [
+    procs.start(procs.train_command(*common, "process_id=0"), logs[0], devices=4),
+    procs.start(procs.train_command(*common, "process_id=1", "steps=5"), logs[1], devices=4),
+  ]
+  assert [w.wait(timeout=300) for w in workers] == [2, 2], procs.tail(logs[1], lines=40)
+  errors = [[line for line in procs.tail(log, lines=200).splitlines() if line.startswith("error:")] for log in logs]
+  assert len(errors[0]) == 1 and "process(es) 1 were started with a different config than process 0" in errors[0][0]
+  assert len(errors[1]) == 1 and "steps=5 (process 0: 8)" in errors[1][0], errors[1]
+  assert not os.path.exists(tmp_path / "m" / "metrics.jsonl")

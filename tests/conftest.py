@@ -1,17 +1,15 @@
 """Test set-up: 8 simulated CPU devices (must be set before jax is imported anywhere)."""
 
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-import pytest  # noqa: E402  pylint: disable=wrong-import-position
+import jax
+import pytest
 
-from MaxLite.config import load_config  # noqa: E402  pylint: disable=wrong-import-position
+from MaxLite.config import load_config
 
 BASE_YML = os.path.join(REPO, "configs", "base.yml")
 

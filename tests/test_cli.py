@@ -11,8 +11,15 @@ from conftest import REPO
 
 def test_train_command_synthetic_20_steps(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  cmd = [sys.executable, "MaxLite/train.py", "configs/base.yml", "dataset_type=synthetic", "steps=20",
-         f"base_output_directory={tmp_path}", "run_name=smoke"]
+  cmd = [
+    sys.executable,
+    "MaxLite/train.py",
+    "configs/base.yml",
+    "dataset_type=synthetic",
+    "steps=20",
+    f"base_output_directory={tmp_path}",
+    "run_name=smoke",
+  ]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run_dir = tmp_path / "smoke"
@@ -24,7 +31,8 @@ def test_train_command_synthetic_20_steps(tmp_path):
   print(f"loss first 3 steps {first:.3f}, last 3 steps {last:.3f}")
   assert last < first - 0.5
 
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # pylint: disable=import-outside-toplevel
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
   events = glob.glob(str(run_dir / "tensorboard" / "events.out.tfevents.*"))
   assert events
   accumulator = EventAccumulator(str(run_dir / "tensorboard"))
@@ -39,8 +47,16 @@ def test_train_command_synthetic_20_steps(tmp_path):
 def test_default_command_learns_the_shipped_corpus(tmp_path):
   """configs/base.yml as shipped (grain over assets/corpus, sentencepiece), run from another directory."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  cmd = [sys.executable, os.path.join(REPO, "MaxLite", "train.py"), os.path.join(REPO, "configs", "base.yml"),
-         "steps=50", "eval_interval=50", "eval_steps=5", f"base_output_directory={tmp_path}", "run_name=default"]
+  cmd = [
+    sys.executable,
+    os.path.join(REPO, "MaxLite", "train.py"),
+    os.path.join(REPO, "configs", "base.yml"),
+    "steps=50",
+    "eval_interval=50",
+    "eval_steps=5",
+    f"base_output_directory={tmp_path}",
+    "run_name=default",
+  ]
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import BASE_YML, REPO, make_config
+
 from MaxLite.config import available_models, load_config
 from MaxLite.errors import ConfigError
 
@@ -17,7 +17,8 @@ def test_every_shipped_model_config_loads():
     assert config.model_name == name
     assert config.num_params > 0
   assert {"tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "mistral-7b"} <= set(
-      available_models())
+    available_models()
+  )
 
 
 def test_known_parameter_counts():
@@ -29,8 +30,14 @@ def test_known_parameter_counts():
 
 
 def test_overrides_are_typed_from_defaults():
-  c = make_config("steps=7", "learning_rate=1e-4", "scan_layers=false", "per_device_batch_size=2",
-                  "mlp_activations=[silu, linear]", "run_name=abc")
+  c = make_config(
+    "steps=7",
+    "learning_rate=1e-4",
+    "scan_layers=false",
+    "per_device_batch_size=2",
+    "mlp_activations=[silu, linear]",
+    "run_name=abc",
+  )
   assert (c.steps, c.learning_rate, c.scan_layers, c.per_device_batch_size) == (7, 1e-4, False, 2.0)
   assert isinstance(c.learning_rate, float) and isinstance(c.steps, int)
   assert c.mlp_activations == ("silu", "linear")
@@ -59,14 +66,21 @@ def test_config_is_frozen():
 
 
 def test_mesh_fill_and_derived_values():
-  c = make_config("ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2", "per_device_batch_size=1",
-                  "gradient_accumulation_steps=3", num_devices=8)
+  c = make_config(
+    "ici_fsdp_parallelism=-1",
+    "ici_tensor_parallelism=2",
+    "per_device_batch_size=1",
+    "gradient_accumulation_steps=3",
+    num_devices=8,
+  )
   assert c.mesh_shape == (1, 1, 4, 1, 2, 1)
   assert c.micro_batch_size == 8 and c.global_batch_size_to_train_on == 24
   assert c.batch_mesh_axes == ("data", "fsdp", "expert")
 
 
-@pytest.mark.parametrize("overrides, num_devices, fragment", [
+@pytest.mark.parametrize(
+  "overrides, num_devices, fragment",
+  [
     (["stepz=3"], 1, "unknown config key 'stepz'"),
     (["steps=abc"], 1, "config key 'steps' (from command line) expects int, got 'abc'"),
     (["scan_layers=maybe"], 1, "'scan_layers'"),
@@ -74,15 +88,22 @@ def test_mesh_fill_and_derived_values():
     (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], 8, "at most one ici_*_parallelism may be -1"),
     (["per_device_batch_size=0.25"], 2, "not a whole number"),
     (["per_device_batch_size=0.5", "ici_fsdp_parallelism=8"], 8, "not divisible by the 8 batch shards"),
-    (["model_name=tiny", "ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"], 8,
-     "base_num_kv_heads=2 is not divisible by tensor parallelism 4"),
+    (
+      ["model_name=tiny", "ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"],
+      8,
+      "base_num_kv_heads=2 is not divisible by tensor parallelism 4",
+    ),
     (["base_num_query_heads=6", "base_num_kv_heads=4"], 1, "base_num_kv_heads=4 must divide base_num_query_heads=6"),
     (["remat_policy=sometimes"], 1, "remat_policy='sometimes' is not one of"),
     (["model_name=llama9"], 1, "unknown model_name 'llama9'"),
     (["dtype=float16"], 1, "dtype='float16' is not one of"),
-    (["max_target_length=30", "ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"], 8,
-     "max_target_length=30 is not divisible by sequence parallelism 4"),
-])
+    (
+      ["max_target_length=30", "ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"],
+      8,
+      "max_target_length=30 is not divisible by sequence parallelism 4",
+    ),
+  ],
+)
 def test_bad_input_is_one_clear_error(overrides, num_devices, fragment):
   with pytest.raises(ConfigError) as e:
     make_config(*overrides, num_devices=num_devices)
@@ -90,7 +111,9 @@ def test_bad_input_is_one_clear_error(overrides, num_devices, fragment):
   assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("args, fragment", [
+@pytest.mark.parametrize(
+  "args, fragment",
+  [
     (["stepz=3"], "unknown config key 'stepz'"),
     (["steps=abc"], "expects int"),
     (["ici_fsdp_parallelism=3"], "ici_*_parallelism product is 3 (ici_fsdp_parallelism=3) but there are 1 devices"),
@@ -98,14 +121,21 @@ def test_bad_input_is_one_clear_error(overrides, num_devices, fragment):
     (["base_num_query_heads=6", "base_num_kv_heads=4"], "must divide base_num_query_heads=6"),
     (["remat_policy=sometimes"], "remat_policy"),
     (["model_name=nope"], "unknown model_name 'nope'"),
-])
+  ],
+)
 def test_cli_bad_input_exits_with_one_line(args, fragment):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  proc = subprocess.run([sys.executable, "MaxLite/train.py", "configs/base.yml", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, "MaxLite/train.py", "configs/base.yml", *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr
-  error_lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(error_lines) == 1 and fragment in error_lines[0], proc.stderr
 
 
@@ -114,6 +144,74 @@ def test_missing_config_file_is_clear(tmp_path):
     load_config([str(tmp_path / "nope.yml")], num_devices=1, num_slices=1, process_count=1)
 
 
-def test_remote_output_url_is_refused_not_turned_into_a_local_folder():
-  with pytest.raises(ConfigError, match=r"base_output_directory=gs://bucket/runs: remote URLs .* not supported yet"):
-    make_config("base_output_directory=gs://bucket/runs")
+def test_remote_output_url_stays_a_url():
+  config = make_config("base_output_directory=gs://bucket/runs", "run_name=r")
+  assert (config.run_dir, config.checkpoint_dir) == ("gs://bucket/runs/r", "gs://bucket/runs/r/checkpoints")
+  assert config.metrics_file == "gs://bucket/runs/r/metrics.jsonl" and not os.path.exists("gs:")
+
+
+def test_old_maxlite_key_names_map_to_maxtext_names_with_a_warning(capsys, tmp_path):
+  yml = tmp_path / "old.yml"
+  yml.write_text(f"base_config: {BASE_YML}\nmax_checkpoints_to_keep: 5\nprint_sharding: true\n")
+  config = load_config(
+    [str(yml), "decode_sampling=top_k", "max_prefill_length=16", "cosine_learning_rate_final_fraction=0.2"],
+    num_devices=1,
+    num_slices=1,
+    process_count=1,
+  )
+  assert config.max_num_checkpoints_to_keep == 5 and config.debug_sharding is True
+  assert config.decode_sampling_strategy == "topk" and config.max_prefill_predict_length == 16
+  assert config.learning_rate_final_fraction == 0.2
+  warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+  assert len(warnings) == 6, warnings
+  assert any("'print_sharding'" in w and "'debug_sharding'" in w for w in warnings)
+  assert any("decode_sampling_strategy='top_k'" in w and "'topk'" in w for w in warnings)
+  for old in ("max_checkpoints_to_keep", "decode_sampling", "print_sharding"):
+    assert old not in config
+
+
+@pytest.mark.parametrize("key", ["enable_goodput_recording=false", "attention=dot_product", "mesh_axes=[data]"])
+def test_maxtext_only_keys_name_themselves_as_unimplemented(key):
+  with pytest.raises(ConfigError, match=r"is a MaxText key that MaxLite does not implement") as e:
+    make_config(key)
+  assert repr(key.split("=")[0]) in str(e.value)
+  # A key neither MaxLite nor MaxText has is still an unknown key, with a suggestion.
+  with pytest.raises(
+    ConfigError, match=r"unknown config key 'ici_fsdp_paralelism'.*did you mean 'ici_fsdp_parallelism'"
+  ):
+    make_config("ici_fsdp_paralelism=2")
+
+
+def test_maxtext_style_command_trains_with_maxtext_key_names(tmp_path):
+  """MaxText's names for checkpoint retention and sharding printout act, not just parse."""
+  args = [
+    "dataset_type=synthetic",
+    "model_name=tiny",
+    "steps=3",
+    "max_target_length=32",
+    "enable_checkpointing=true",
+    "checkpoint_period=1",
+    "max_num_checkpoints_to_keep=1",
+    "debug_sharding=true",
+    "async_checkpointing=false",
+    "learning_rate_final_fraction=0.5",
+    "dense_init_scale=0.5",
+    "decode_sampling_strategy=weighted",
+    "enable_tensorboard=false",
+    "jax_cache_dir=",
+    f"base_output_directory={tmp_path}",
+    "run_name=mt",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  proc = subprocess.run(
+    [sys.executable, "MaxLite/train.py", "configs/base.yml", *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "warning:" not in proc.stderr
+  assert sorted(os.listdir(tmp_path / "mt" / "checkpoints")) == ["3"]
+  assert "MiB per device" in proc.stdout  # the debug_sharding report

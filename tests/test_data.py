@@ -10,18 +10,21 @@ import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
+from MaxLite.data import BATCH_KEYS
 from MaxLite.data import prepare as prep
 from MaxLite.data import train_tokenizer as tt
 from MaxLite.data.grain_pipeline import make_grain_iterator, resolve_files
-from MaxLite.data.packing import ROW_KEYS, StreamingPacker, pack_documents
+from MaxLite.data.packing import StreamingPacker, pack_documents
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.errors import InputError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model")
 CORPUS = os.path.join(REPO, "assets", "corpus")
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of liquor "
-         "and jugs near the river bank every morning before noon").split()
+WORDS = (
+  "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of liquor "
+  "and jugs near the river bank every morning before noon"
+).split()
 
 
 def _records(paths):
@@ -38,8 +41,10 @@ def corpus(tmp_path_factory):
   """150 distinctive one-line documents (some longer than a row) in 3 train shards via prepare()."""
   d = tmp_path_factory.mktemp("corpus")
   rng = np.random.default_rng(0)
-  lines = [f"record {i:04d} " + " ".join(rng.choice(WORDS, size=int(rng.integers(2, 25 if i % 10 else 120))))
-           for i in range(150)]
+  lines = [
+    f"record {i:04d} " + " ".join(rng.choice(WORDS, size=int(rng.integers(2, 25 if i % 10 else 120))))
+    for i in range(150)
+  ]
   (d / "docs.txt").write_text("\n".join(lines) + "\n")
   summary = prep.prepare(str(d / "*.txt"), str(d / "out"), 3, split_by="line", eval_fraction=0.0)
   assert summary["train_documents"] == 150 and summary["eval_documents"] == 0
@@ -47,8 +52,9 @@ def corpus(tmp_path_factory):
 
 
 def _iter(files, **kw):
-  args = dict(tokenizer_path=TOKENIZER, seq_len=64, batch_size=4, shard_index=0, shard_count=1, seed=7,
-              add_bos=True, add_eos=True)
+  args = dict(
+    tokenizer_path=TOKENIZER, seq_len=64, batch_size=4, shard_index=0, shard_count=1, seed=7, add_bos=True, add_eos=True
+  )
   args.update(kw)
   return make_grain_iterator(files, **args)
 
@@ -63,8 +69,9 @@ def _documents_in_stream(it, tok):
     targets += list(batch["targets"][mask])
   # Each document contributes [BOS, text...] to inputs and [text..., EOS] to targets.
   assert inputs[0] == tok.bos_id and targets[-1] == tok.eos_id
-  assert np.array_equal(np.array(inputs[1:]), np.where(np.array(targets[:-1]) == tok.eos_id, tok.bos_id,
-                                                       np.array(targets[:-1])))
+  assert np.array_equal(
+    np.array(inputs[1:]), np.where(np.array(targets[:-1]) == tok.eos_id, tok.bos_id, np.array(targets[:-1]))
+  )
   docs, cur = [], None
   for t in inputs:
     if t == tok.bos_id:
@@ -79,17 +86,18 @@ def _documents_in_stream(it, tok):
 
 # ------------------------------------------------------------------------------------------ packing
 
+
 def test_pack_known_documents_every_field():
   # pairs: [1,2,3] -> 2, [4..8] -> 4 (split across rows), [9] -> none (dropped), [10,11] -> 1.
   out = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]], seq_len=4)
   expect = {
-      "inputs": [[1, 2, 4, 5], [6, 7, 10, 0]],
-      "targets": [[2, 3, 5, 6], [7, 8, 11, 0]],
-      "inputs_position": [[0, 1, 0, 1], [0, 1, 0, 0]],
-      "inputs_segmentation": [[1, 1, 2, 2], [1, 1, 2, 0]],
-      "targets_segmentation": [[1, 1, 2, 2], [1, 1, 2, 0]],
+    "inputs": [[1, 2, 4, 5], [6, 7, 10, 0]],
+    "targets": [[2, 3, 5, 6], [7, 8, 11, 0]],
+    "inputs_position": [[0, 1, 0, 1], [0, 1, 0, 0]],
+    "inputs_segmentation": [[1, 1, 2, 2], [1, 1, 2, 0]],
+    "targets_segmentation": [[1, 1, 2, 2], [1, 1, 2, 0]],
   }
-  assert set(out) == set(ROW_KEYS)
+  assert set(out) == set(BATCH_KEYS)
   for k, v in expect.items():
     assert out[k].dtype == np.int32
     np.testing.assert_array_equal(out[k], np.array(v, np.int32), err_msg=k)
@@ -121,7 +129,7 @@ def test_pack_random_documents_invariants():
     for s in starts:  # each segment: ids 1, 2, ... and positions 0, 1, ...
       if seg[s]:
         n = int((seg == seg[s]).sum())
-        np.testing.assert_array_equal(pos[s:s + n], np.arange(n))
+        np.testing.assert_array_equal(pos[s : s + n], np.arange(n))
     assert list(np.unique(seg[seg > 0])) == list(range(1, seg.max() + 1))
 
 
@@ -137,15 +145,16 @@ def test_streaming_packer_restore_continues_identically():
   assert p.has_pending and p.offset > 0
   q = StreamingPacker(8)
   q.restore(pulled[-1], p.offset)  # the checkpoint: which document + offset
-  rest = iter(docs[len(pulled):])
+  rest = iter(docs[len(pulled) :])
   rows = []
   while (row := q.next_row(lambda: next(rest, None))) is not None:
     rows.append(row)
-  for k in ROW_KEYS:
+  for k in BATCH_KEYS:
     np.testing.assert_array_equal(np.stack([r[k] for r in rows]), full[k][5:], err_msg=k)
 
 
 # ------------------------------------------------------------------------------------------ prepare
+
 
 def test_prepare_text_split_modes(tmp_path):
   f = tmp_path / "a.txt"
@@ -170,7 +179,8 @@ def test_prepare_jsonl_skip_counts_and_eval_split(tmp_path):
   train = _records(s["train_shards"])
   evals = _records(s["eval_shards"])
   assert len(s["train_shards"]) == 2 and sorted(train + evals) == sorted(
-      f"document number {i}" for i in range(200) if i not in (3, 50, 77))
+    f"document number {i}" for i in range(200) if i not in (3, 50, 77)
+  )
   with pytest.raises(InputError, match="already holds shards"):
     prep.prepare(str(tmp_path / "*.jsonl"), str(tmp_path / "out"), 2, fmt="jsonl")
 
@@ -186,8 +196,18 @@ def test_prepare_cli_errors_are_one_line_exit_2(tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.startswith("error: --input: no files match") and err.count("\n") == 1
   (tmp_path / "in.jsonl").write_text('{"a": 1}\n')
-  rc = prep.main(["--input", str(tmp_path / "in.jsonl"), "--output_dir", str(tmp_path / "o"), "--format", "jsonl",
-                  "--on_missing_field", "fail"])
+  rc = prep.main(
+    [
+      "--input",
+      str(tmp_path / "in.jsonl"),
+      "--output_dir",
+      str(tmp_path / "o"),
+      "--format",
+      "jsonl",
+      "--on_missing_field",
+      "fail",
+    ]
+  )
   err = capsys.readouterr().err
   assert rc == 2 and err.strip().endswith("in.jsonl:1: missing string field 'text'") and err.count("\n") == 1
 
@@ -195,21 +215,40 @@ def test_prepare_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 def test_prepare_script_runs_standalone(tmp_path):
   (tmp_path / "a.txt").write_text("hello world\n\nsecond paragraph\n")
   script = os.path.join(REPO, "MaxLite", "data", "prepare.py")
-  ok = subprocess.run([sys.executable, script, "--input", str(tmp_path / "a.txt"), "--output_dir",
-                       str(tmp_path / "o"), "--num_shards", "2", "--eval_fraction", "0"], capture_output=True, text=True)
+  ok = subprocess.run(
+    [
+      sys.executable,
+      script,
+      "--input",
+      str(tmp_path / "a.txt"),
+      "--output_dir",
+      str(tmp_path / "o"),
+      "--num_shards",
+      "2",
+      "--eval_fraction",
+      "0",
+    ],
+    capture_output=True,
+    text=True,
+  )
   assert ok.returncode == 0, ok.stderr
   assert "2 train documents" in ok.stdout and len(glob.glob(str(tmp_path / "o" / "train-*-of-00002.array_record"))) == 2
-  bad = subprocess.run([sys.executable, script, "--input", str(tmp_path / "none*"), "--output_dir", str(tmp_path)],
-                       capture_output=True, text=True)
+  bad = subprocess.run(
+    [sys.executable, script, "--input", str(tmp_path / "none*"), "--output_dir", str(tmp_path)],
+    capture_output=True,
+    text=True,
+  )
   assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
 
 # ------------------------------------------------------------------------------------------ tokenizer
 
+
 def test_train_tokenizer_tool(tmp_path, capsys):
   prefix = str(tmp_path / "tok" / "sp")
-  rc = tt.main(["--input", os.path.join(CORPUS, "eval-*.array_record"), "--model_prefix", prefix,
-                "--vocab_size", "600"])
+  rc = tt.main(
+    ["--input", os.path.join(CORPUS, "eval-*.array_record"), "--model_prefix", prefix, "--vocab_size", "600"]
+  )
   assert rc == 0, capsys.readouterr().err
   tok = load_tokenizer(prefix + ".model")
   assert (tok.vocab_size, tok._sp.unk_id(), tok.bos_id, tok.eos_id) == (600, 0, 1, 2)
@@ -226,15 +265,18 @@ def test_missing_tokenizer_file_is_clear():
 
 # ------------------------------------------------------------------------------------------ pipeline
 
+
 def test_batches_follow_contract(corpus):
   files, _ = corpus
   b = next(_iter(files, batch_size=3, seq_len=32))
-  assert set(b) == set(ROW_KEYS)
-  for k in ROW_KEYS:
+  assert set(b) == set(BATCH_KEYS)
+  for k in BATCH_KEYS:
     assert b[k].shape == (3, 32) and b[k].dtype == np.int32, k
   np.testing.assert_array_equal(b["targets_segmentation"], b["inputs_segmentation"])
-  np.testing.assert_array_equal(b["inputs"][:, 1:][b["inputs_segmentation"][:, 1:] == b["inputs_segmentation"][:, :-1]],
-                                b["targets"][:, :-1][b["inputs_segmentation"][:, 1:] == b["inputs_segmentation"][:, :-1]])
+  np.testing.assert_array_equal(
+    b["inputs"][:, 1:][b["inputs_segmentation"][:, 1:] == b["inputs_segmentation"][:, :-1]],
+    b["targets"][:, :-1][b["inputs_segmentation"][:, 1:] == b["inputs_segmentation"][:, :-1]],
+  )
 
 
 def test_shards_partition_records_once_per_epoch(corpus):
@@ -269,7 +311,7 @@ def test_resume_continues_with_exactly_the_next_batch(corpus, shard_index, shard
   fresh = _iter(files, shard_index=shard_index, shard_count=shard_count)
   fresh.set_state(state)
   for a, b in zip(expect, [next(fresh) for _ in range(8)]):
-    for k in ROW_KEYS:
+    for k in BATCH_KEYS:
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
@@ -283,7 +325,7 @@ def test_finite_epoch_pads_last_batch_then_stops(corpus):
   batches = list(_iter(files, num_epochs=1, batch_size=n - 1, seq_len=128))
   assert len(batches) == 2 and batches[1]["inputs"].shape == (n - 1, 128)
   assert not batches[1]["inputs_segmentation"][1:].any()  # rows past the data: pure padding
-  for k in ROW_KEYS:
+  for k in BATCH_KEYS:
     np.testing.assert_array_equal(np.concatenate([b[k] for b in batches])[:n], np.concatenate([r[k] for r in rows]))
 
 
@@ -313,6 +355,7 @@ def test_missing_tokenizer_in_pipeline(corpus):
 
 # ------------------------------------------------------------------------------------------ shipped assets
 
+
 def test_shipped_assets_exist_and_load():
   tok = load_tokenizer(TOKENIZER)
   assert tok.vocab_size == 8192 and (tok._sp.unk_id(), tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, -1)
@@ -322,6 +365,17 @@ def test_shipped_assets_exist_and_load():
   assert len(train) >= 2 and all(n > 100 for _, n in train) and len(evals) == 1 and evals[0][1] > 20
   text = _records([evals[0][0]])[0]
   assert tok.decode(tok.encode(text)) == text
-  b = next(make_grain_iterator(os.path.join(CORPUS, "train-*.array_record"), tokenizer_path=TOKENIZER, seq_len=256,
-                               batch_size=2, shard_index=0, shard_count=1, seed=0, add_bos=True, add_eos=True))
+  b = next(
+    make_grain_iterator(
+      os.path.join(CORPUS, "train-*.array_record"),
+      tokenizer_path=TOKENIZER,
+      seq_len=256,
+      batch_size=2,
+      shard_index=0,
+      shard_count=1,
+      seed=0,
+      add_bos=True,
+      add_eos=True,
+    )
+  )
   assert b["inputs"].shape == (2, 256) and (b["inputs_segmentation"] > 0).all() and b["inputs"].max() < 8192

@@ -5,12 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import make_config
+
 from MaxLite.layers.attention import attention_mask, dot_product_attention
+from MaxLite.layers.decoder import Transformer, stack_layers, unstack_layers
 from MaxLite.layers.embeddings import apply_rope
-from MaxLite.model import Transformer, stack_layers, unstack_layers
-from MaxLite.train_step import loss_sums
+from MaxLite.training.train_step import loss_sums
 
 SEQ = 32
 
@@ -20,13 +20,19 @@ def _batch(batch=2, seq=SEQ, seed=0, vocab=8192):
   tokens = jnp.asarray(rng.integers(0, vocab, size=(batch, seq + 1)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
   ones = jnp.ones((batch, seq), jnp.int32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "inputs_position": pos,
-          "inputs_segmentation": ones, "targets_segmentation": ones}
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "inputs_position": pos,
+    "inputs_segmentation": ones,
+    "targets_segmentation": ones,
+  }
 
 
 def _init(config, batch):
-  init = jax.jit(lambda rng, b: Transformer(config).init(rng, b["inputs"], b["inputs_position"],
-                                                         b["inputs_segmentation"]))
+  init = jax.jit(
+    lambda rng, b: Transformer(config).init(rng, b["inputs"], b["inputs_position"], b["inputs_segmentation"])
+  )
   return nn.unbox(init(jax.random.key(0), batch)["params"])
 
 
@@ -64,8 +70,9 @@ def no_remat_reference():
   return batch, params, _loss_and_grads(reference, params, batch)
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
-                                    "save_dot_except_mlpwi"])
+@pytest.mark.parametrize(
+  "policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "save_dot_except_mlpwi"]
+)
 def test_remat_policies_do_not_change_numbers(policy, no_remat_reference):
   batch, params, (loss_ref, grads_ref) = no_remat_reference
   loss, grads = _loss_and_grads(make_config("model_name=tiny", f"remat_policy={policy}"), params, batch)
@@ -91,8 +98,9 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
   v = jnp.asarray(rng.normal(size=(2, 8, 2, 4)), jnp.float32)
   seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1] * 8], jnp.int32)
   mask = attention_mask(seg)
-  np.testing.assert_allclose(dot_product_attention(q, k, v, mask), _reference_attention(q, k, v, seg),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    dot_product_attention(q, k, v, mask), _reference_attention(q, k, v, seg), rtol=1e-5, atol=1e-6
+  )
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -133,6 +141,7 @@ def test_bfloat16_activations_keep_float32_weights():
   batch = _batch()
   params = _init(config, batch)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-  logits = Transformer(config).apply({"params": params}, batch["inputs"], batch["inputs_position"],
-                                     batch["inputs_segmentation"])
+  logits = Transformer(config).apply(
+    {"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
+  )
   assert logits.dtype == jnp.bfloat16

@@ -10,30 +10,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import BASE_YML, REPO, first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from conftest import BASE_YML, REPO, first_devices, make_config
 from MaxLite import sharding as sharding_lib
 from MaxLite.errors import ConfigError
-from MaxLite.flops import training_flops_per_step
+from MaxLite.layers.decoder import Transformer
 from MaxLite.layers.moe import MoeBlock, expert_capacity, load_balance_loss, route
 from MaxLite.mesh import create_mesh
-from MaxLite.model import Transformer
-from MaxLite.optimizer import create_optimizer
-from MaxLite.train_state import abstract_state
-from MaxLite.train_step import jit_train_step
-from MaxLite.trainer import train
+from MaxLite.train_compile import lower_train_step
+from MaxLite.training.flops import training_flops_per_step
+from MaxLite.training.optimizer import create_optimizer
+from MaxLite.training.train_state import abstract_state
+from MaxLite.training.trainer import train
 
-RUN = ("max_target_length=64", "steps=3", "dataset_type=synthetic", "enable_tensorboard=false",
-       "learning_rate=1e-2", "warmup_steps_fraction=0.0")
+RUN = (
+  "max_target_length=64",
+  "steps=3",
+  "dataset_type=synthetic",
+  "enable_tensorboard=false",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0.0",
+)
 # The tiny model with 8 query and 8 kv heads, so that tensor=8 can split them.
 DENSE = ("model_name=tiny", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")
 MOE = ("model_name=tiny-moe",)
 
 
 def _run(tmp_path, num_devices, *overrides):
-  config = make_config(*RUN, f"base_output_directory={tmp_path}", "run_name=run", *overrides,
-                       num_devices=num_devices)
+  config = make_config(*RUN, f"base_output_directory={tmp_path}", "run_name=run", *overrides, num_devices=num_devices)
   rows = train(config, first_devices(num_devices))
   return rows
 
@@ -52,26 +57,39 @@ def moe_reference(tmp_path_factory):
   return _losses(_run(tmp_path_factory.mktemp("moe"), 1, *MOE, "per_device_batch_size=8"))
 
 
-@pytest.mark.parametrize("mesh", [
+@pytest.mark.parametrize(
+  "mesh",
+  [
     ("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"),
     ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"),
     ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
     ("ici_pipeline_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
     ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
-    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
-     "num_pipeline_microbatches=4"),
-], ids=["tensor8", "sequence4_fsdp2", "stage2_fsdp4", "stage2_tensor2_data2", "data2_fsdp2_tensor2",
-        "stage2_fsdp2_tensor2_micro4"])
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "num_pipeline_microbatches=4"),
+  ],
+  ids=[
+    "tensor8",
+    "sequence4_fsdp2",
+    "stage2_fsdp4",
+    "stage2_tensor2_data2",
+    "data2_fsdp2_tensor2",
+    "stage2_fsdp2_tensor2_micro4",
+  ],
+)
 def test_dense_layouts_match_single_device(tmp_path, dense_reference, mesh):
   losses, grad_norms = _losses(_run(tmp_path, 8, *DENSE, "per_device_batch_size=1", *mesh))
   np.testing.assert_allclose(losses, dense_reference[0], rtol=1e-5)
   np.testing.assert_allclose(grad_norms, dense_reference[1], rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", [
+@pytest.mark.parametrize(
+  "mesh",
+  [
     ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
     ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"),
-], ids=["expert4_fsdp2", "stage2_expert2_fsdp2"])
+  ],
+  ids=["expert4_fsdp2", "stage2_expert2_fsdp2"],
+)
 def test_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
   rows = _run(tmp_path, 8, *MOE, "per_device_batch_size=1", *mesh)
   losses, grad_norms = _losses(rows)
@@ -164,16 +182,23 @@ def test_two_stages_halve_the_layer_stack_per_device():
   assert two * 2 == one
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (("ici_pipeline_parallelism=4", "base_num_decoder_layers=6"),
-     "base_num_decoder_layers=6 is not divisible by pipeline parallelism 4"),
+@pytest.mark.parametrize(
+  "overrides, fragment",
+  [
+    (
+      ("ici_pipeline_parallelism=4", "base_num_decoder_layers=6"),
+      "base_num_decoder_layers=6 is not divisible by pipeline parallelism 4",
+    ),
     (("ici_pipeline_parallelism=2", "scan_layers=false"), "pipeline parallelism 2 needs scan_layers=true"),
     (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"), "num_pipeline_microbatches=3"),
     (MOE + ("ici_expert_parallelism=8",), "num_experts=4 is not divisible by expert parallelism 8"),
     (MOE + ("num_experts_per_tok=5",), "num_experts_per_tok=5 must be between 1 and num_experts=4"),
-    (("ici_sequence_parallelism=8", "max_target_length=100"),
-     "max_target_length=100 is not divisible by sequence parallelism 8"),
-])
+    (
+      ("ici_sequence_parallelism=8", "max_target_length=100"),
+      "max_target_length=100 is not divisible by sequence parallelism 8",
+    ),
+  ],
+)
 def test_invalid_layouts_fail_with_one_line(overrides, fragment):
   with pytest.raises(ConfigError, match=fragment) as error:
     make_config("model_name=tiny", "ici_fsdp_parallelism=-1", *overrides, num_devices=8)
@@ -183,10 +208,27 @@ def test_invalid_layouts_fail_with_one_line(overrides, fragment):
 def test_print_sharding_from_the_command_line(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, "MaxLite", "train.py"), BASE_YML, *MOE, "steps=1", "print_sharding=true",
-       "dataset_type=synthetic", "max_target_length=32", "per_device_batch_size=1", "ici_fsdp_parallelism=2",
-       "ici_expert_parallelism=4", "enable_tensorboard=false", "jax_cache_dir=", f"base_output_directory={tmp_path}"],
-      capture_output=True, text=True, timeout=300, env=env)
+    [
+      sys.executable,
+      os.path.join(REPO, "MaxLite", "train.py"),
+      BASE_YML,
+      *MOE,
+      "steps=1",
+      "debug_sharding=true",
+      "dataset_type=synthetic",
+      "max_target_length=32",
+      "per_device_batch_size=1",
+      "ici_fsdp_parallelism=2",
+      "ici_expert_parallelism=4",
+      "enable_tensorboard=false",
+      "jax_cache_dir=",
+      f"base_output_directory={tmp_path}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
   # Experts split 4 ways on `expert`, embed 2 ways on `fsdp` (+ sequence, size 1): (2, 4, 64, 96) -> (2, 1, 32, 96).
@@ -198,13 +240,8 @@ def test_print_sharding_from_the_command_line(tmp_path):
 
 def _compiled_temp_bytes(*overrides):
   config = make_config(*DENSE, *RUN, "per_device_batch_size=1", *overrides, num_devices=8)
-  mesh = create_mesh(config, first_devices(8))
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    abstract, _, shardings = abstract_state(Transformer(config), create_optimizer(config), config, mesh)
-    step = jit_train_step(config, shardings, sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh))
-    ids = jax.ShapeDtypeStruct((config.micro_batch_size, config.max_target_length), jnp.int32)
-    batch = {k: ids for k in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")}
-    return step.lower(abstract, batch).compile().memory_analysis().temp_size_in_bytes
+  lowered, _ = lower_train_step(config, first_devices(8))
+  return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 def test_sequence_parallelism_does_not_regather_activations():

@@ -6,23 +6,35 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from conftest import first_devices, make_config
 from MaxLite import sharding as sharding_lib
+from MaxLite.layers.decoder import Transformer
 from MaxLite.mesh import create_mesh
-from MaxLite.model import Transformer
-from MaxLite.optimizer import create_optimizer
-from MaxLite.train_state import abstract_state, bytes_per_device, create_train_state, total_bytes
-from MaxLite.trainer import NonFiniteLossError, train
+from MaxLite.training.optimizer import create_optimizer
+from MaxLite.training.train_state import abstract_state, bytes_per_device, create_train_state, total_bytes
+from MaxLite.training.trainer import NonFiniteLossError, train
 
-TINY = ("model_name=tiny", "max_target_length=64", "steps=3", "dataset_type=synthetic", "enable_tensorboard=false",
-        "learning_rate=1e-2", "warmup_steps_fraction=0.0")
+TINY = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "steps=3",
+  "dataset_type=synthetic",
+  "enable_tensorboard=false",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0.0",
+)
 
 
 def _losses(tmp_path, num_devices, *overrides):
-  config = make_config(*TINY, f"base_output_directory={tmp_path}", f"run_name=r{num_devices}_{abs(hash(overrides))}",
-                       *overrides, num_devices=num_devices)
+  config = make_config(
+    *TINY,
+    f"base_output_directory={tmp_path}",
+    f"run_name=r{num_devices}_{abs(hash(overrides))}",
+    *overrides,
+    num_devices=num_devices,
+  )
   rows = train(config, first_devices(num_devices))
   return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
 
@@ -32,13 +44,16 @@ def single_device(tmp_path_factory):
   return _losses(tmp_path_factory.mktemp("one"), 1, "per_device_batch_size=8")
 
 
-@pytest.mark.parametrize("mesh", [
+@pytest.mark.parametrize(
+  "mesh",
+  [
     ("ici_fsdp_parallelism=8",),
     ("ici_data_parallelism=2", "ici_fsdp_parallelism=4"),
     ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
     ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
     ("ici_fsdp_parallelism=2", "dcn_data_parallelism=4", "num_slices=4"),
-])
+  ],
+)
 def test_mesh_layouts_match_single_device(tmp_path, single_device, mesh):
   losses, grad_norms = _losses(tmp_path, 8, "per_device_batch_size=1", *mesh)
   np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
@@ -70,24 +85,25 @@ def _state_on(config, n):
 # here), norm/kv -> replicated.
 FS = ("fsdp", "sequence")  # the 'embed' rule: fsdp and sequence together (sequence=1 here)
 EXPECTED_SPECS = {
-    "token_embedder/embedding": ("tensor", FS),
-    "decoder/layers/self_attention/query/kernel": ("stage", FS, "tensor", None),
-    "decoder/layers/self_attention/key/kernel": ("stage", FS, "tensor", None),
-    "decoder/layers/self_attention/value/kernel": ("stage", FS, "tensor", None),
-    "decoder/layers/self_attention/out/kernel": ("stage", "tensor", None, FS),
-    "decoder/layers/mlp/wi_0/kernel": ("stage", FS, "tensor"),
-    "decoder/layers/mlp/wi_1/kernel": ("stage", FS, "tensor"),
-    "decoder/layers/mlp/wo/kernel": ("stage", "tensor", FS),
-    "decoder/layers/pre_self_attention_norm/scale": ("stage", None),
-    "decoder/layers/post_self_attention_norm/scale": ("stage", None),
-    "decoder_norm/scale": (None,),
-    "logits_dense/kernel": (FS, "tensor"),
+  "token_embedder/embedding": ("tensor", FS),
+  "decoder/layers/self_attention/query/kernel": ("stage", FS, "tensor", None),
+  "decoder/layers/self_attention/key/kernel": ("stage", FS, "tensor", None),
+  "decoder/layers/self_attention/value/kernel": ("stage", FS, "tensor", None),
+  "decoder/layers/self_attention/out/kernel": ("stage", "tensor", None, FS),
+  "decoder/layers/mlp/wi_0/kernel": ("stage", FS, "tensor"),
+  "decoder/layers/mlp/wi_1/kernel": ("stage", FS, "tensor"),
+  "decoder/layers/mlp/wo/kernel": ("stage", "tensor", FS),
+  "decoder/layers/pre_self_attention_norm/scale": ("stage", None),
+  "decoder/layers/post_self_attention_norm/scale": ("stage", None),
+  "decoder_norm/scale": (None,),
+  "logits_dense/kernel": (FS, "tensor"),
 }
 
 
 def test_parameter_shardings_follow_logical_rules():
-  config = make_config(*TINY, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=1",
-                       num_devices=8)
+  config = make_config(
+    *TINY, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=1", num_devices=8
+  )
   state = _state_on(config, 8)
   seen = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
@@ -114,25 +130,40 @@ def test_fsdp_divides_param_and_optimizer_memory_by_eight():
   per_device = bytes_per_device((eight.params, eight.opt_state))
   print(f"params+optimizer bytes: 1 device {total}, fsdp=8 per device {per_device} (ratio {total / per_device:.3f})")
   assert abs(per_device / (total / 8) - 1) < 0.03
-  # The shape-only estimate (used by train_compile and print_sharding) agrees with the live shards.
+  # The shape-only estimate (used by train_compile and debug_sharding) agrees with the live shards.
   config = make_config(*overrides, "per_device_batch_size=1", "ici_fsdp_parallelism=8", num_devices=8)
   mesh = create_mesh(config, first_devices(8))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
     abstract, _, shardings = abstract_state(Transformer(config), create_optimizer(config), config, mesh)
-  assert sharding_lib.sharded_bytes((abstract.params, abstract.opt_state), (shardings.params, shardings.opt_state)) \
-      == per_device
+  assert (
+    sharding_lib.sharded_bytes((abstract.params, abstract.opt_state), (shardings.params, shardings.opt_state))
+    == per_device
+  )
 
 
 def test_non_finite_loss_stops_with_the_step(tmp_path):
-  config = make_config(*TINY, f"base_output_directory={tmp_path}", "learning_rate=1e38", "steps=5",
-                       "gradient_clipping_threshold=0", "per_device_batch_size=2")
+  config = make_config(
+    *TINY,
+    f"base_output_directory={tmp_path}",
+    "learning_rate=1e38",
+    "steps=5",
+    "gradient_clipping_threshold=0",
+    "per_device_batch_size=2",
+  )
   with pytest.raises(NonFiniteLossError, match=r"step \d+: loss is \S+ and grad_norm is (nan|inf)"):
     train(config, first_devices(1))
 
 
 def test_eval_rows_are_logged(tmp_path):
-  config = make_config(*TINY, f"base_output_directory={tmp_path}", "run_name=ev", "per_device_batch_size=2",
-                       "steps=5", "eval_interval=2", "eval_steps=2")
+  config = make_config(
+    *TINY,
+    f"base_output_directory={tmp_path}",
+    "run_name=ev",
+    "per_device_batch_size=2",
+    "steps=5",
+    "eval_interval=2",
+    "eval_steps=2",
+  )
   rows = train(config, first_devices(1))
   evals = [r for r in rows if "eval_loss" in r]
   assert [r["step"] for r in evals] == [2, 4]
@@ -159,9 +190,22 @@ def test_no_recompilation_after_the_first_step(tmp_path):
   logger.addHandler(handler)
   try:
     with jax.log_compiles(True):
-      train(make_config("model_name=tiny", "max_target_length=64", "per_device_batch_size=2", "dataset_type=synthetic",
-                        "steps=6", "eval_interval=3", "eval_steps=2", "enable_checkpointing=true", "checkpoint_period=2",
-                        "enable_tensorboard=false", f"base_output_directory={tmp_path}"), first_devices(1))
+      train(
+        make_config(
+          "model_name=tiny",
+          "max_target_length=64",
+          "per_device_batch_size=2",
+          "dataset_type=synthetic",
+          "steps=6",
+          "eval_interval=3",
+          "eval_steps=2",
+          "enable_checkpointing=true",
+          "checkpoint_period=2",
+          "enable_tensorboard=false",
+          f"base_output_directory={tmp_path}",
+        ),
+        first_devices(1),
+      )
   finally:
     logger.removeHandler(handler)
   assert handler.names.count("jit(train_step)") == 1, handler.names

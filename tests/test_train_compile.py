@@ -7,21 +7,28 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import BASE_YML, REPO
+
 from MaxLite import topologies, train_compile
 from MaxLite.errors import ConfigError
 
 SCRIPT = os.path.join(REPO, "MaxLite", "train_compile.py")
 HAVE_LIBTPU = topologies.find_libtpu(REPO) is not None
-needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu not installed (bash setup.sh puts it in .deps/libtpu)")
+needs_libtpu = pytest.mark.skipif(
+  not HAVE_LIBTPU, reason="libtpu not installed (bash setup.sh puts it in .deps/libtpu)"
+)
 
 
 def _compile(*overrides, env=None):
   env = dict(os.environ if env is None else env)
   env.pop("XLA_FLAGS", None)  # train_compile sets the device count itself
-  return subprocess.run([sys.executable, SCRIPT, BASE_YML, "jax_cache_dir=", *overrides],
-                        capture_output=True, text=True, timeout=600, env=env)
+  return subprocess.run(
+    [sys.executable, SCRIPT, BASE_YML, "jax_cache_dir=", *overrides],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
 
 
 def _value(text, label):
@@ -54,19 +61,33 @@ def test_tiny_on_v5p_8_fits(slices, mesh):
 @needs_libtpu
 def test_oversized_config_on_v5p_8_exits_non_zero_with_the_shortfall():
   # ~9B parameters replicated on every chip (data parallelism only): weights and Adam alone exceed 95 GiB.
-  proc = _compile("model_name=tiny", "base_emb_dim=16384", "base_mlp_dim=65536", "base_num_query_heads=128",
-                  "base_num_kv_heads=128", "head_dim=128", "ici_data_parallelism=4", "ici_fsdp_parallelism=1",
-                  "per_device_batch_size=1", "max_target_length=128", "compile_topology=v5p-8")
+  proc = _compile(
+    "model_name=tiny",
+    "base_emb_dim=16384",
+    "base_mlp_dim=65536",
+    "base_num_query_heads=128",
+    "base_num_kv_heads=128",
+    "head_dim=128",
+    "ici_data_parallelism=4",
+    "ici_fsdp_parallelism=1",
+    "per_device_batch_size=1",
+    "max_target_length=128",
+    "compile_topology=v5p-8",
+  )
   assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
-  assert re.search(r"DOES NOT FIT: needs [\d.]+ GiB per device, [\d.]+ GiB available; short by [\d.]+ GiB",
-                   proc.stdout), proc.stdout
+  assert re.search(
+    r"DOES NOT FIT: needs [\d.]+ GiB per device, [\d.]+ GiB available; short by [\d.]+ GiB", proc.stdout
+  ), proc.stdout
 
 
-@pytest.mark.parametrize("args, fragment", [
+@pytest.mark.parametrize(
+  "args, fragment",
+  [
     (("compile_topology=v9-8",), "compile_topology='v9-8' is not one of v4-N, v5p-N, v5e-N, v6e-N"),
     (("compile_topology=v5p-7",), "v5p-N counts 2 cores per chip"),
     ((), "compile_topology is empty"),
-])
+  ],
+)
 def test_bad_topology_is_one_line(args, fragment):
   proc = _compile("model_name=tiny", *args)
   assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
@@ -82,8 +103,18 @@ def test_missing_libtpu_says_how_to_get_it(tmp_path, monkeypatch):
 
 
 def test_slice_shapes_follow_cloud_tpu():
-  shapes = {n: topologies.parse(n).topology_name for n in
-            ("v4-8", "v5p-8", "v5p-16", "v5p-128", "v5p-256", "v5e-16", "v5e-32", "v6e-256")}
-  assert shapes == {"v4-8": "v4:2x2x1", "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-128": "v5p:4x4x4",
-                    "v5p-256": "v5p:4x4x8", "v5e-16": "v5e:4x4", "v5e-32": "v5e:4x8", "v6e-256": "v6e:16x16"}
+  shapes = {
+    n: topologies.parse(n).topology_name
+    for n in ("v4-8", "v5p-8", "v5p-16", "v5p-128", "v5p-256", "v5e-16", "v5e-32", "v6e-256")
+  }
+  assert shapes == {
+    "v4-8": "v4:2x2x1",
+    "v5p-8": "v5p:2x2x1",
+    "v5p-16": "v5p:2x2x2",
+    "v5p-128": "v5p:4x4x4",
+    "v5p-256": "v5p:4x4x8",
+    "v5e-16": "v5e:4x4",
+    "v5e-32": "v5e:4x8",
+    "v6e-256": "v6e:16x16",
+  }
   assert topologies.parse("v5p-128").num_devices == 64 and topologies.parse("v5e-16").num_devices == 16

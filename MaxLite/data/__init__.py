@@ -1,1 +1,4 @@
-"""Real-data input layer: tokenizer, packing, grain pipeline and the prep/tokenizer tools."""
+"""Input: sources (grain over ArrayRecord files, synthetic), tokenizer, packing, global batches; data tools."""
+
+# The arrays of every batch, each int32 [batch, seq]; segmentation 0 marks padding.
+BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")

@@ -17,27 +17,23 @@ from __future__ import annotations
 
 import bisect
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import grain
 import numpy as np
 from absl import flags
 from array_record.python.array_record_module import ArrayRecordReader
 
-from MaxLite.data.packing import ROW_KEYS, StreamingPacker, empty_row
-from MaxLite.data.prepare import expand_globs
+from MaxLite.data import BATCH_KEYS
+from MaxLite.data.packing import StreamingPacker, empty_row
 from MaxLite.data.tokenizer import Tokenizer, load_tokenizer
-from MaxLite.errors import ConfigError, InputError
+from MaxLite.errors import ConfigError, InputError, first_line
+from MaxLite.paths import expand_globs
 
 # Documents tokenized ahead by grain's reader threads. 2 threads measured fastest on 2 cores
 # (16, grain's default, is ~25% slower); each buffered element holds one tokenized document.
 _READ_THREADS = 2
 _PREFETCH_DOCUMENTS = 64
-
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip()
-  return text.splitlines()[0] if text else type(e).__name__
 
 
 def resolve_files(files: str) -> list[tuple[str, int]]:
@@ -49,8 +45,8 @@ def resolve_files(files: str) -> list[tuple[str, int]]:
       reader = ArrayRecordReader(path)
       out.append((path, reader.num_records()))
       reader.close()
-    except Exception as e:  # pylint: disable=broad-except  (the C++ reader raises plain RuntimeError)
-      raise InputError(f"data files: not a readable ArrayRecord file: {path} ({_first_line(e)})") from None
+    except Exception as e:  # the C++ reader raises plain RuntimeError
+      raise InputError(f"data files: not a readable ArrayRecord file: {path} ({first_line(e)})") from None
   return out
 
 
@@ -69,9 +65,9 @@ class _CheckedSource:
   def __getitem__(self, index: int) -> bytes:
     try:
       return self._source[index]
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       path = self._files[bisect.bisect_right(self._ends, index)][0]
-      raise InputError(f"data files: cannot read record from {path} ({_first_line(e)})") from None
+      raise InputError(f"data files: cannot read record from {path} ({first_line(e)})") from None
 
 
 class _Tokenize(grain.transforms.Map):
@@ -95,9 +91,9 @@ class _PackDatasetIterator(grain.DatasetIterator):
   def __init__(self, parent: grain.DatasetIterator, seq_len: int):
     super().__init__(parent)
     self._packer = StreamingPacker(seq_len)
-    self._pending_state: Optional[dict[str, Any]] = None
+    self._pending_state: dict[str, Any] | None = None
 
-  def _pull(self) -> Optional[np.ndarray]:
+  def _pull(self) -> np.ndarray | None:
     state = self._parent.get_state()  # position *before* the document, to re-read it on restore
     try:
       doc = next(self._parent)
@@ -150,13 +146,25 @@ class _StackRows:
 
   def __call__(self, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     rows = list(rows) + [empty_row(self._seq_len) for _ in range(self._batch_size - len(rows))]
-    return {k: np.stack([r[k] for r in rows]).astype(np.int32, copy=False) for k in ROW_KEYS}
+    return {k: np.stack([r[k] for r in rows]).astype(np.int32, copy=False) for k in BATCH_KEYS}
 
 
-def make_grain_iterator(files: str, *, tokenizer_path: str, seq_len: int, batch_size: int, shard_index: int,
-                        shard_count: int, seed: int, add_bos: bool, add_eos: bool, shuffle: bool = True,
-                        num_epochs: Optional[int] = None, worker_count: int = 0) -> grain.DatasetIterator:
-  """Iterator of dicts of int32 arrays [batch_size, seq_len] (keys: packing.ROW_KEYS) for this shard.
+def make_grain_iterator(
+  files: str,
+  *,
+  tokenizer_path: str,
+  seq_len: int,
+  batch_size: int,
+  shard_index: int,
+  shard_count: int,
+  seed: int,
+  add_bos: bool,
+  add_eos: bool,
+  shuffle: bool = True,
+  num_epochs: int | None = None,
+  worker_count: int = 0,
+) -> grain.DatasetIterator:
+  """Iterator of dicts of int32 arrays [batch_size, seq_len] (keys: data.BATCH_KEYS) for this shard.
 
   `files`: glob or comma-separated globs of ArrayRecord files of UTF-8 documents. num_epochs=None
   repeats forever; with a finite count the last batch is padded with segmentation-0 rows and then

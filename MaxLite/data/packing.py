@@ -20,11 +20,11 @@ Between rows the packer's only leftover is one partially consumed document, so i
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-ROW_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+from MaxLite.data import BATCH_KEYS
 
 
 def document_pairs(tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -37,7 +37,7 @@ def document_pairs(tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.n
 
 def empty_row(seq_len: int) -> dict[str, np.ndarray]:
   """A row of pure padding (all zeros, segmentation 0)."""
-  return {k: np.zeros((seq_len,), np.int32) for k in ROW_KEYS}
+  return {k: np.zeros((seq_len,), np.int32) for k in BATCH_KEYS}
 
 
 class StreamingPacker:
@@ -52,7 +52,7 @@ class StreamingPacker:
     if seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     self.seq_len = seq_len
-    self._pending: Optional[tuple[np.ndarray, np.ndarray]] = None
+    self._pending: tuple[np.ndarray, np.ndarray] | None = None
     self._offset = 0
     self._exhausted = False
 
@@ -78,7 +78,7 @@ class StreamingPacker:
     if len(inputs):
       self._pending, self._offset = (inputs, targets), offset
 
-  def next_row(self, pull: Callable[[], Optional[Sequence[int] | np.ndarray]]) -> Optional[dict[str, np.ndarray]]:
+  def next_row(self, pull: Callable[[], Sequence[int] | np.ndarray | None]) -> dict[str, np.ndarray] | None:
     """The next full row; a padded last row at the end of the stream; None once nothing is left."""
     row = empty_row(self.seq_len)
     filled, segment = 0, 0
@@ -98,8 +98,8 @@ class StreamingPacker:
       take = min(len(inputs) - self._offset, self.seq_len - filled)
       segment += 1
       span = slice(filled, filled + take)
-      row["inputs"][span] = inputs[self._offset:self._offset + take]
-      row["targets"][span] = targets[self._offset:self._offset + take]
+      row["inputs"][span] = inputs[self._offset : self._offset + take]
+      row["targets"][span] = targets[self._offset : self._offset + take]
       row["inputs_position"][span] = np.arange(take, dtype=np.int32)
       row["inputs_segmentation"][span] = segment
       filled += take
@@ -120,5 +120,5 @@ def pack_documents(documents: Iterable[Sequence[int] | np.ndarray], seq_len: int
   while (row := packer.next_row(lambda: next(it, None))) is not None:
     rows.append(row)
   if not rows:
-    return {k: np.zeros((0, seq_len), np.int32) for k in ROW_KEYS}
-  return {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+    return {k: np.zeros((0, seq_len), np.int32) for k in BATCH_KEYS}
+  return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}

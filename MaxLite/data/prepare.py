@@ -1,5 +1,6 @@
 """Text / JSONL files -> ArrayRecord shards of documents (one UTF-8 text document per record).
 
+Example (or: maxlite-prepare-data ...):
   python MaxLite/data/prepare.py --input 'data/*.jsonl' --format jsonl --output_dir out --num_shards 8
 
 Streams: files are read in bounded pieces and each document goes straight to a shard writer, so
@@ -19,33 +20,24 @@ import json
 import os
 import sys
 import time
-from typing import IO, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import IO
 
-if __package__ in (None, ""):  # run as a script: make `MaxLite` importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from array_record.python.array_record_module import ArrayRecordWriter
 
-from array_record.python.array_record_module import ArrayRecordWriter  # noqa: E402
-
-from MaxLite.errors import InputError  # noqa: E402
+from MaxLite import cli
+from MaxLite.errors import InputError
+from MaxLite.paths import expand_globs
 
 # group_size:1 lets grain read any record without decoding its neighbours (random access shuffle).
 WRITER_OPTIONS = "group_size:1"
 _READ_CHUNK = 1 << 20  # longest piece of a line held at once
 
 
-def expand_globs(patterns: str, what: str = "--input") -> list[str]:
-  """Sorted, de-duplicated files matching comma-separated globs; InputError if none match."""
-  globs = [p.strip() for p in patterns.split(",") if p.strip()]
-  files = sorted({f for g in globs for f in glob.glob(os.path.expanduser(g)) if os.path.isfile(f)})
-  if not files:
-    raise InputError(f"{what}: no files match {patterns!r}")
-  return files
-
-
 def _open_text(path: str) -> IO[str]:
   if path.endswith(".gz"):
     return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-  return open(path, "r", encoding="utf-8", errors="replace")
+  return open(path, encoding="utf-8", errors="replace")
 
 
 def _pieces(f: IO[str], limit: int = _READ_CHUNK) -> Iterator[str]:
@@ -54,8 +46,9 @@ def _pieces(f: IO[str], limit: int = _READ_CHUNK) -> Iterator[str]:
     yield piece
 
 
-def text_documents(path: str, split_by: str = "paragraph", min_doc_chars: int = 0,
-                   max_doc_chars: int = 1_000_000) -> Iterator[str]:
+def text_documents(
+  path: str, split_by: str = "paragraph", min_doc_chars: int = 0, max_doc_chars: int = 1_000_000
+) -> Iterator[str]:
   """Documents of a text file: each non-blank line, blank-line separated paragraphs (adjacent ones
   merged until at least min_doc_chars), or the whole file; any of them cut at max_doc_chars."""
   buf: list[str] = []
@@ -118,8 +111,9 @@ class ShardWriters:
   """N ArrayRecord writers named prefix-SSSSS-of-NNNNN.array_record, filled round-robin."""
 
   def __init__(self, output_dir: str, prefix: str, num_shards: int):
-    self.paths = [os.path.join(output_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.array_record")
-                  for i in range(num_shards)]
+    self.paths = [
+      os.path.join(output_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.array_record") for i in range(num_shards)
+    ]
     self._writers = [ArrayRecordWriter(p, WRITER_OPTIONS) for p in self.paths]
     self.documents = 0
     self.bytes = 0
@@ -140,25 +134,40 @@ def _is_eval(record: bytes, eval_fraction: float) -> bool:
 
 
 def _existing_shards(output_dir: str) -> list[str]:
-  return sorted(glob.glob(os.path.join(output_dir, "train-*-of-*.array_record")) +
-                glob.glob(os.path.join(output_dir, "eval-*-of-*.array_record")))
+  return sorted(
+    glob.glob(os.path.join(output_dir, "train-*-of-*.array_record"))
+    + glob.glob(os.path.join(output_dir, "eval-*-of-*.array_record"))
+  )
 
 
-def prepare(input_glob: str, output_dir: str, num_shards: int, *, fmt: str = "text", text_field: str = "text",
-            on_missing_field: str = "skip", eval_fraction: float = 0.02, split_by: str = "paragraph",
-            min_doc_chars: int = 0, max_doc_chars: int = 1_000_000, overwrite: bool = False,
-            progress: Optional[IO[str]] = None) -> dict:
+def prepare(
+  input_glob: str,
+  output_dir: str,
+  num_shards: int,
+  *,
+  fmt: str = "text",
+  text_field: str = "text",
+  on_missing_field: str = "skip",
+  eval_fraction: float = 0.02,
+  split_by: str = "paragraph",
+  min_doc_chars: int = 0,
+  max_doc_chars: int = 1_000_000,
+  overwrite: bool = False,
+  progress: IO[str] | None = None,
+) -> dict:
   """Converts the files matching `input_glob` into shards in `output_dir`; returns the summary."""
   if num_shards < 1:
     raise InputError(f"--num_shards must be >= 1, got {num_shards}")
   if not 0.0 <= eval_fraction < 1.0:
     raise InputError(f"--eval_fraction must be in [0, 1), got {eval_fraction}")
-  files = expand_globs(input_glob)
+  files = expand_globs(input_glob, "--input")
   os.makedirs(output_dir, exist_ok=True)
   stale = _existing_shards(output_dir)
   if stale and not overwrite:
-    raise InputError(f"--output_dir {output_dir} already holds shards ({os.path.basename(stale[0])}, ...);"
-                     " pass --overwrite to replace them")
+    raise InputError(
+      f"--output_dir {output_dir} already holds shards ({os.path.basename(stale[0])}, ...);"
+      " pass --overwrite to replace them"
+    )
   for path in stale:
     os.remove(path)
   skipped = {"missing_field": 0, "empty": 0}
@@ -167,59 +176,93 @@ def prepare(input_glob: str, output_dir: str, num_shards: int, *, fmt: str = "te
   start = last_report = time.time()
   try:
     for file_no, path in enumerate(files, 1):
-      docs = (jsonl_documents(path, text_field, on_missing_field, skipped) if fmt == "jsonl" else
-              text_documents(path, split_by, min_doc_chars, max_doc_chars))
+      docs = (
+        jsonl_documents(path, text_field, on_missing_field, skipped)
+        if fmt == "jsonl"
+        else text_documents(path, split_by, min_doc_chars, max_doc_chars)
+      )
       for doc in docs:
         record = doc.encode("utf-8")
         (evals if evals is not None and _is_eval(record, eval_fraction) else train).write(record)
         if progress is not None and time.time() - last_report > 2.0:
           last_report = time.time()
           done = train.documents + (evals.documents if evals else 0)
-          print(f"prepare: file {file_no}/{len(files)}, {done:,} documents, "
-                f"{(train.bytes + (evals.bytes if evals else 0)) / 1e6:.1f} MB", file=progress, flush=True)
+          print(
+            f"prepare: file {file_no}/{len(files)}, {done:,} documents, "
+            f"{(train.bytes + (evals.bytes if evals else 0)) / 1e6:.1f} MB",
+            file=progress,
+            flush=True,
+          )
   finally:
     train.close()
     if evals is not None:
       evals.close()
-  return {"files": len(files), "train_documents": train.documents, "train_bytes": train.bytes,
-          "train_shards": train.paths, "eval_documents": evals.documents if evals else 0,
-          "eval_bytes": evals.bytes if evals else 0, "eval_shards": evals.paths if evals else [],
-          "skipped": skipped, "seconds": round(time.time() - start, 2)}
+  return {
+    "files": len(files),
+    "train_documents": train.documents,
+    "train_bytes": train.bytes,
+    "train_shards": train.paths,
+    "eval_documents": evals.documents if evals else 0,
+    "eval_bytes": evals.bytes if evals else 0,
+    "eval_shards": evals.paths if evals else [],
+    "skipped": skipped,
+    "seconds": round(time.time() - start, 2),
+  }
 
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = cli.FlagParser(__doc__)
   p.add_argument("--input", required=True, help="glob(s), comma-separated, of .txt/.jsonl files (.gz ok)")
   p.add_argument("--output_dir", required=True)
   p.add_argument("--num_shards", type=int, default=8, help="train shards")
   p.add_argument("--format", choices=("text", "jsonl"), default="text")
   p.add_argument("--text_field", default="text", help="JSONL: key holding the document text")
-  p.add_argument("--on_missing_field", choices=("skip", "fail"), default="skip",
-                 help="JSONL line without the text field (or not JSON): count and skip it, or stop")
+  p.add_argument(
+    "--on_missing_field",
+    choices=("skip", "fail"),
+    default="skip",
+    help="JSONL line without the text field (or not JSON): count and skip it, or stop",
+  )
   p.add_argument("--eval_fraction", type=float, default=0.02, help="share of documents held out for eval")
-  p.add_argument("--split_by", choices=("paragraph", "file", "line"), default="paragraph",
-                 help="text: what one document is")
+  p.add_argument(
+    "--split_by", choices=("paragraph", "file", "line"), default="paragraph", help="text: what one document is"
+  )
   p.add_argument("--min_doc_chars", type=int, default=0, help="paragraph: merge adjacent paragraphs up to this")
   p.add_argument("--max_doc_chars", type=int, default=1_000_000, help="cut longer documents")
   p.add_argument("--overwrite", action="store_true", help="replace shards already in --output_dir")
   return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  args = _parse_args(sys.argv[1:] if argv is None else argv)
+def run(argv: Sequence[str]) -> int:
+  args = _parse_args(argv)
   try:
-    s = prepare(args.input, args.output_dir, args.num_shards, fmt=args.format, text_field=args.text_field,
-                on_missing_field=args.on_missing_field, eval_fraction=args.eval_fraction,
-                split_by=args.split_by, min_doc_chars=args.min_doc_chars, max_doc_chars=args.max_doc_chars,
-                overwrite=args.overwrite, progress=sys.stderr)
-  except (InputError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(f"prepare: {s['files']} files -> {s['train_documents']:,} train documents ({s['train_bytes']:,} bytes) "
-        f"in {len(s['train_shards'])} shards, {s['eval_documents']:,} eval documents ({s['eval_bytes']:,} bytes) "
-        f"in {len(s['eval_shards'])} shard; skipped {s['skipped']['missing_field']} missing-field, "
-        f"{s['skipped']['empty']} empty; {s['seconds']} s -> {args.output_dir}")
+    s = prepare(
+      args.input,
+      args.output_dir,
+      args.num_shards,
+      fmt=args.format,
+      text_field=args.text_field,
+      on_missing_field=args.on_missing_field,
+      eval_fraction=args.eval_fraction,
+      split_by=args.split_by,
+      min_doc_chars=args.min_doc_chars,
+      max_doc_chars=args.max_doc_chars,
+      overwrite=args.overwrite,
+      progress=sys.stderr,
+    )
+  except OSError as e:
+    raise InputError(str(e)) from None
+  print(
+    f"prepare: {s['files']} files -> {s['train_documents']:,} train documents ({s['train_bytes']:,} bytes) "
+    f"in {len(s['train_shards'])} shards, {s['eval_documents']:,} eval documents ({s['eval_bytes']:,} bytes) "
+    f"in {len(s['eval_shards'])} shard; skipped {s['skipped']['missing_field']} missing-field, "
+    f"{s['skipped']['empty']} empty; {s['seconds']} s -> {args.output_dir}"
+  )
   return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return cli.run(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

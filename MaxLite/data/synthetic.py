@@ -8,6 +8,7 @@ from its context, so the loss falls well below log(vocab). The contents depend o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,11 +17,10 @@ _MAX_PERIOD = 16
 
 
 class SyntheticIterator:
-  """Yields rows [row_start, row_stop) of each global batch as int32 numpy arrays [rows, seq]."""
+  """Yields the given rows of each global batch as int32 numpy arrays [len(rows), seq]."""
 
-  def __init__(self, *, global_batch: int, row_start: int, row_stop: int, seq_len: int, vocab_size: int,
-               seed: int):
-    self._global_batch, self._rows = global_batch, slice(row_start, row_stop)
+  def __init__(self, *, global_batch: int, rows: Sequence[int], seq_len: int, vocab_size: int, seed: int):
+    self._global_batch, self._rows = global_batch, list(rows)
     self._seq_len, self._vocab, self._seed = seq_len, vocab_size, seed
     self._step = 0
 
@@ -37,8 +37,13 @@ class SyntheticIterator:
     rows = tokens.shape[0]
     ones = np.ones((rows, self._seq_len), np.int32)
     positions = np.broadcast_to(np.arange(self._seq_len, dtype=np.int32), (rows, self._seq_len)).copy()
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "inputs_position": positions,
-            "inputs_segmentation": ones, "targets_segmentation": ones.copy()}
+    return {
+      "inputs": tokens[:, :-1],
+      "targets": tokens[:, 1:],
+      "inputs_position": positions,
+      "inputs_segmentation": ones,
+      "targets_segmentation": ones.copy(),
+    }
 
   def get_state(self) -> dict[str, Any]:
     return {"step": self._step}

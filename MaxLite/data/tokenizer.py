@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import sentencepiece as spm
 
-from MaxLite.errors import InputError
+from MaxLite import paths
+from MaxLite.errors import InputError, first_line
 
 
 class Tokenizer:
@@ -52,19 +52,21 @@ class Tokenizer:
 
 
 def _load_processor(path: str) -> spm.SentencePieceProcessor:
-  if not path or not os.path.isfile(path):
+  try:
+    found = bool(path) and paths.isfile(path)
+  except InputError:
+    raise
+  except Exception as e:  # an unreachable bucket or missing credentials
+    raise InputError(f"tokenizer_path: cannot read {path!r} ({type(e).__name__}: {first_line(e)})") from None
+  if not found:
     raise InputError(f"tokenizer_path: file not found: {path!r}")
   sp = spm.SentencePieceProcessor()
   try:
-    sp.load(path)
+    # The model's bytes (local or gs://), so sentencepiece never needs a local copy of the file.
+    sp.load_from_serialized_proto(paths.read_bytes(path))
   except (OSError, RuntimeError) as e:
-    raise InputError(f"tokenizer_path: not a sentencepiece model: {path!r} ({_first_line(e)})") from None
+    raise InputError(f"tokenizer_path: not a sentencepiece model: {path!r} ({first_line(e)})") from None
   return sp
-
-
-def _first_line(e: Exception) -> str:
-  text = str(e).strip()
-  return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -1,5 +1,6 @@
 """Trains a sentencepiece tokenizer on ArrayRecord shards (from prepare.py) or plain text files.
 
+Example (or: maxlite-train-tokenizer ...):
   python MaxLite/data/train_tokenizer.py --input 'assets/corpus/train-*.array_record' \
       --model_prefix assets/tokenizer/maxlite_sp8k --vocab_size 8192
 
@@ -13,19 +14,16 @@ indentation included.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
-if __package__ in (None, ""):  # run as a script: make `MaxLite` importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import sentencepiece as spm
+from array_record.python.array_record_module import ArrayRecordReader
 
-import sentencepiece as spm  # noqa: E402
-from array_record.python.array_record_module import ArrayRecordReader  # noqa: E402
-
-from MaxLite.data.prepare import expand_globs  # noqa: E402
-from MaxLite.errors import InputError  # noqa: E402
+from MaxLite import cli
+from MaxLite.errors import InputError
+from MaxLite.paths import expand_globs
 
 # sentencepiece silently drops longer "sentences"; lines above this are cut into pieces.
 _MAX_SENTENCE_BYTES = 4096
@@ -40,7 +38,7 @@ def _documents(path: str) -> Iterator[str]:
     try:
       reader = ArrayRecordReader(path)
       n = reader.num_records()
-    except Exception as e:  # pylint: disable=broad-except  (the C++ reader raises plain RuntimeError)
+    except Exception as e:  # the C++ reader raises plain RuntimeError
       raise InputError(f"--input: not a readable ArrayRecord file: {path} ({str(e).splitlines()[0]})") from None
     try:
       for start in range(0, n, _RECORDS_PER_READ):  # bounded batches, never read_all()
@@ -49,7 +47,7 @@ def _documents(path: str) -> Iterator[str]:
     finally:
       reader.close()
   else:
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
       while piece := f.readline(1 << 20):
         yield piece
 
@@ -63,12 +61,20 @@ def sentences(files: Sequence[str]) -> Iterator[str]:
           continue
         data = line.encode("utf-8")
         for i in range(0, len(data), _MAX_SENTENCE_BYTES):
-          yield data[i:i + _MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
+          yield data[i : i + _MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
 
 
-def train_tokenizer(input_glob: str, model_prefix: str, vocab_size: int = 8192, *, model_type: str = "bpe",
-                    input_sentence_size: int = 2_000_000, character_coverage: float = 0.9995, seed: int = 0,
-                    num_threads: Optional[int] = None) -> str:
+def train_tokenizer(
+  input_glob: str,
+  model_prefix: str,
+  vocab_size: int = 8192,
+  *,
+  model_type: str = "bpe",
+  input_sentence_size: int = 2_000_000,
+  character_coverage: float = 0.9995,
+  seed: int = 0,
+  num_threads: int | None = None,
+) -> str:
   """Trains and writes `<model_prefix>.model` (and .vocab); returns the .model path."""
   files = expand_globs(input_glob, "--input")
   min_vocab = 256 + 3 + len(_REQUIRED_CHARS) + 1  # byte pieces, unk/bos/eos, required chars, one merge
@@ -77,39 +83,60 @@ def train_tokenizer(input_glob: str, model_prefix: str, vocab_size: int = 8192, 
   os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
   spm.set_random_generator_seed(seed)  # the sentence sample is then reproducible
   spm.SentencePieceTrainer.train(
-      sentence_iterator=sentences(files), model_prefix=model_prefix, vocab_size=vocab_size,
-      model_type=model_type, character_coverage=character_coverage, required_chars=_REQUIRED_CHARS, byte_fallback=True,
-      unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-      input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
-      max_sentence_length=_MAX_SENTENCE_BYTES * 4,
-      normalization_rule_name="identity", remove_extra_whitespaces=False,
-      allow_whitespace_only_pieces=True, split_digits=True,
-      num_threads=num_threads or os.cpu_count() or 1, minloglevel=2)
+    sentence_iterator=sentences(files),
+    model_prefix=model_prefix,
+    vocab_size=vocab_size,
+    model_type=model_type,
+    character_coverage=character_coverage,
+    required_chars=_REQUIRED_CHARS,
+    byte_fallback=True,
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    input_sentence_size=input_sentence_size,
+    shuffle_input_sentence=True,
+    max_sentence_length=_MAX_SENTENCE_BYTES * 4,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    num_threads=num_threads or os.cpu_count() or 1,
+    minloglevel=2,
+  )
   return model_prefix + ".model"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(argv: Sequence[str]) -> int:
+  p = cli.FlagParser(__doc__)
   p.add_argument("--input", required=True, help="glob(s), comma-separated: .array_record shards or text files")
   p.add_argument("--model_prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
   p.add_argument("--vocab_size", type=int, default=8192)
   p.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe")
   p.add_argument("--input_sentence_size", type=int, default=2_000_000, help="max lines sampled for training")
   p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  args = p.parse_args(argv)
   try:
-    path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, model_type=args.model_type,
-                           input_sentence_size=args.input_sentence_size, seed=args.seed)
-  except InputError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    path = train_tokenizer(
+      args.input,
+      args.model_prefix,
+      args.vocab_size,
+      model_type=args.model_type,
+      input_sentence_size=args.input_sentence_size,
+      seed=args.seed,
+    )
   except RuntimeError as e:  # sentencepiece's own complaints, e.g. a vocabulary too large for the text
-    print(f"error: sentencepiece: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
-    return 2
+    raise InputError(f"sentencepiece: {str(e).strip().splitlines()[-1]}") from None
   sp = spm.SentencePieceProcessor(model_file=path)
-  print(f"train_tokenizer: wrote {path} (vocab {sp.get_piece_size()}, unk={sp.unk_id()} bos={sp.bos_id()} "
-        f"eos={sp.eos_id()})")
+  print(
+    f"train_tokenizer: wrote {path} (vocab {sp.get_piece_size()}, unk={sp.unk_id()} bos={sp.bos_id()} "
+    f"eos={sp.eos_id()})"
+  )
   return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return cli.run(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

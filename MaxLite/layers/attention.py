@@ -56,11 +56,12 @@ class Attention(nn.Module):
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
-    scale = cfg.param_init_scale
+    scale = cfg.dense_init_scale
 
     def project(name: str, heads: int, head_axis: str) -> jax.Array:
-      y = DenseGeneral((heads, cfg.head_dim), ("embed", head_axis, "kv"), dtype=dtype, weight_dtype=wdtype,
-                       init_scale=scale, name=name)(x)
+      y = DenseGeneral(
+        (heads, cfg.head_dim), ("embed", head_axis, "kv"), dtype=dtype, weight_dtype=wdtype, init_scale=scale, name=name
+      )(x)
       return checkpoint_name(y, f"{name}_proj")
 
     q = project("query", cfg.base_num_query_heads, "q_heads")
@@ -72,7 +73,7 @@ class Attention(nn.Module):
 
     q = apply_rope(q, positions, cfg.rope_max_timescale)
     k = apply_rope(k, positions, cfg.rope_max_timescale)
-    q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
+    q = q * jnp.asarray(cfg.head_dim**-0.5, q.dtype)
     if self.decode:
       k, v, mask = self._update_cache(k, v, segment_ids, positions)
     else:
@@ -80,8 +81,15 @@ class Attention(nn.Module):
     out = dot_product_attention(q, k, v, mask)
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
 
-    out = DenseGeneral(cfg.base_emb_dim, ("heads", "kv", "embed"), axis=(-2, -1), dtype=dtype,
-                       weight_dtype=wdtype, init_scale=scale, name="out")(out)
+    out = DenseGeneral(
+      cfg.base_emb_dim,
+      ("heads", "kv", "embed"),
+      axis=(-2, -1),
+      dtype=dtype,
+      weight_dtype=wdtype,
+      init_scale=scale,
+      name="out",
+    )(out)
     return checkpoint_name(out, "out_proj")
 
   def _update_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple:

@@ -20,9 +20,13 @@ class Embed(nn.Module):
   def setup(self):
     # std 1/sqrt(embed): tied logits x.E^T then start near unit scale, and the first RMSNorm
     # makes the residual stream's starting scale irrelevant for the untied case.
-    init = nn.initializers.normal(stddev=self.features ** -0.5)
-    self.embedding = self.param("embedding", nn.with_logical_partitioning(init, ("vocab", "embed")),
-                                (self.num_embeddings, self.features), self.weight_dtype)
+    init = nn.initializers.normal(stddev=self.features**-0.5)
+    self.embedding = self.param(
+      "embedding",
+      nn.with_logical_partitioning(init, ("vocab", "embed")),
+      (self.num_embeddings, self.features),
+      self.weight_dtype,
+    )
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     # Gather the table's embed dimension first (as FSDP does for every weight): a lookup from a

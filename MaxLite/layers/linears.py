@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -40,17 +40,22 @@ class DenseGeneral(nn.Module):
     kernel_shape = in_dims + features
     n_in = len(in_dims)
     init = nn.initializers.variance_scaling(
-        self.init_scale, "fan_in", "truncated_normal",
-        in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, len(kernel_shape))))
-    kernel = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.logical_axes)),
-                        kernel_shape, self.weight_dtype)
+      self.init_scale,
+      "fan_in",
+      "truncated_normal",
+      in_axis=tuple(range(n_in)),
+      out_axis=tuple(range(n_in, len(kernel_shape))),
+    )
+    kernel = self.param(
+      "kernel", nn.with_logical_partitioning(init, tuple(self.logical_axes)), kernel_shape, self.weight_dtype
+    )
     kernel = jnp.asarray(kernel, self.dtype)
     x = jnp.asarray(x, self.dtype)
     if axis == tuple(range(x.ndim - n_in, x.ndim)) and not logical_axis_is_split("activation_length"):
       # Contracting the trailing dims: one 2D matmul [rows, in] x [in, out]. XLA's CPU backend runs
       # the backward pass of this form about twice as fast as the same dot with 3D operands. Not when
       # the sequence is split: merging a split batch with a split sequence makes GSPMD regather.
-      rows = x.shape[:x.ndim - n_in]
+      rows = x.shape[: x.ndim - n_in]
       y = jnp.dot(x.reshape(-1, math.prod(in_dims)), kernel.reshape(math.prod(in_dims), -1))
       return y.reshape(*rows, *features)
     contract = (axis, tuple(range(n_in)))

@@ -17,7 +17,7 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), init_scale=cfg.param_init_scale)
+    kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), init_scale=cfg.dense_init_scale)
     gate = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), name="wi_0", **kw)(x)
     up = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), name="wi_1", **kw)(x)
     hidden = checkpoint_name(nn.silu(gate) * up, "mlpwi")

@@ -67,8 +67,13 @@ def route(router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity:
   dispatch = jnp.sum(per_rank, axis=2)
   combine = jnp.einsum("bsk,bskec->bsec", weights, per_rank)
   routed = jnp.sum(choice)
-  stats = {"assigned": jnp.sum(choice, axis=(0, 1, 2)), "prob_sum": jnp.sum(probs * token_mask[..., None], axis=(0, 1)),
-           "tokens": jnp.sum(token_mask), "routed": routed, "dropped": routed - jnp.sum(kept)}
+  stats = {
+    "assigned": jnp.sum(choice, axis=(0, 1, 2)),
+    "prob_sum": jnp.sum(probs * token_mask[..., None], axis=(0, 1)),
+    "tokens": jnp.sum(token_mask),
+    "routed": routed,
+    "dropped": routed - jnp.sum(kept),
+  }
   return dispatch, combine, stats
 
 
@@ -82,15 +87,16 @@ class MoeBlock(nn.Module):
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     n, emb, mlp = cfg.num_experts, cfg.base_emb_dim, cfg.base_mlp_dim
-    router_logits = DenseGeneral(n, ("embed", None), dtype=dtype, weight_dtype=wdtype,
-                                 init_scale=cfg.param_init_scale, name="gate")(x)
+    router_logits = DenseGeneral(
+      n, ("embed", None), dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
+    )(x)
     capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
-    dispatch, combine, aux = route(router_logits, token_mask.astype(jnp.float32), cfg.num_experts_per_tok,
-                                   capacity)
+    dispatch, combine, aux = route(router_logits, token_mask.astype(jnp.float32), cfg.num_experts_per_tok, capacity)
 
     def kernel(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
-      init = nn.initializers.variance_scaling(cfg.param_init_scale, "fan_in", "truncated_normal",
-                                              in_axis=1, out_axis=2, batch_axis=(0,))
+      init = nn.initializers.variance_scaling(
+        cfg.dense_init_scale, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=(0,)
+      )
       return jnp.asarray(self.param(name, nn.with_logical_partitioning(init, axes), shape, wdtype), dtype)
 
     wi_0 = kernel("wi_0", (n, emb, mlp), ("exp", "embed", "mlp"))

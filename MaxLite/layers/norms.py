@@ -19,6 +19,7 @@ class RMSNorm(nn.Module):
     # Statistics in float32 even for bfloat16 activations: the mean of squares loses too much otherwise.
     x32 = jnp.asarray(x, jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                       (x.shape[-1],), self.weight_dtype)
+    scale = self.param(
+      "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.weight_dtype
+    )
     return jnp.asarray(normed * jnp.asarray(scale, jnp.float32), self.dtype)

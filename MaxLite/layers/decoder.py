@@ -15,16 +15,16 @@ from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.mlp import MlpBlock
 from MaxLite.layers.moe import MoeBlock, load_balance_loss
 from MaxLite.layers.norms import RMSNorm
+from MaxLite.layers.pipeline import run_pipeline
 from MaxLite.layers.quantities import dtype_of
-from MaxLite.pipeline import run_pipeline
 
 EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
 
 _SAVE_NAMES = {
-    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
-    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
-    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-    "save_out_proj": ("out_proj",),
+  "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+  "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+  "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+  "save_out_proj": ("out_proj",),
 }
 
 
@@ -46,8 +46,9 @@ class DecoderLayer(nn.Module):
   def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
     """Returns (x, aux): aux is the MoE routing statistics of this layer, None for a dense layer."""
     cfg = self.config
-    norm = dict(epsilon=cfg.normalization_layer_epsilon, dtype=dtype_of(cfg.dtype),
-                weight_dtype=dtype_of(cfg.weight_dtype))
+    norm = dict(
+      epsilon=cfg.normalization_layer_epsilon, dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype)
+    )
     x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
     h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
     h = Attention(cfg, self.decode, name="self_attention")(h, segment_ids, positions)
@@ -85,9 +86,14 @@ class Decoder(nn.Module):
         x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, segment_ids, positions)
         auxes.append(aux)
       return x, summarize_routing(jax.tree.map(lambda *a: jnp.stack(a), *auxes))
-    stack = nn.scan(layer, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
-                    in_axes=(nn.broadcast, nn.broadcast), length=cfg.base_num_decoder_layers,
-                    metadata_params={nn.PARTITION_NAME: "layers"})
+    stack = nn.scan(
+      layer,
+      variable_axes={"params": 0, "cache": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(nn.broadcast, nn.broadcast),
+      length=cfg.base_num_decoder_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     if cfg.num_pipeline_stages == 1 or self.is_initializing() or self.decode:
       x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, segment_ids, positions)
       return x, summarize_routing(aux)
@@ -95,15 +101,25 @@ class Decoder(nn.Module):
 
   def _pipeline(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
+
     # The parameters were created by the scanned stack above (so checkpoints are layout-independent);
     # here each layer is applied functionally to its slice of them.
     def layer_fn(params, h, seg, pos, rng):
       return DecoderLayer(cfg, self.deterministic).apply({"params": params}, h, seg, pos, rngs={"dropout": rng})
+
     if cfg.remat_policy != "none":
       layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg.remat_policy))
     rng = self.make_rng("dropout") if not self.deterministic else jax.random.key(0)
-    x, aux = run_pipeline(layer_fn, self.variables["params"]["layers"], x, segment_ids, positions, rng,
-                          stages=cfg.num_pipeline_stages, microbatches=cfg.num_pipeline_microbatches)
+    x, aux = run_pipeline(
+      layer_fn,
+      self.variables["params"]["layers"],
+      x,
+      segment_ids,
+      positions,
+      rng,
+      stages=cfg.num_pipeline_stages,
+      microbatches=cfg.num_pipeline_microbatches,
+    )
     return x, summarize_routing(aux)
 
 
@@ -111,8 +127,11 @@ def summarize_routing(per_layer: Any) -> Any:
   """Per-layer routing sums [layers, ...] -> {lb_loss (mean over layers), dropped, routed}; None stays None."""
   if per_layer is None:
     return None
-  return {"lb_loss": jnp.mean(load_balance_loss(per_layer)), "dropped": jnp.sum(per_layer["dropped"]),
-          "routed": jnp.sum(per_layer["routed"])}
+  return {
+    "lb_loss": jnp.mean(load_balance_loss(per_layer)),
+    "dropped": jnp.sum(per_layer["dropped"]),
+    "routed": jnp.sum(per_layer["routed"]),
+  }
 
 
 class Transformer(nn.Module):
@@ -138,8 +157,14 @@ class Transformer(nn.Module):
     if cfg.logits_via_embedding:
       logits = embed.attend(x)
     else:
-      logits = DenseGeneral(cfg.vocab_size, ("embed", "vocab"), dtype=dtype, weight_dtype=wdtype,
-                            init_scale=cfg.param_init_scale, name="logits_dense")(x)
+      logits = DenseGeneral(
+        cfg.vocab_size,
+        ("embed", "vocab"),
+        dtype=dtype,
+        weight_dtype=wdtype,
+        init_scale=cfg.dense_init_scale,
+        name="logits_dense",
+      )(x)
     return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 

@@ -9,24 +9,35 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from MaxLite import paths
 from MaxLite.errors import InputError
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
+}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _read_header(path: str) -> tuple[dict[str, Any], int]:
   try:
-    with open(path, "rb") as f:
+    with paths.open_file(path, "rb") as f:
       (length,) = struct.unpack("<Q", f.read(8))
       header = json.loads(f.read(length))
   except (OSError, struct.error, ValueError) as e:
@@ -39,18 +50,18 @@ class SafetensorsReader:
   """All tensors of a checkpoint directory (model.safetensors, or shards listed in the index)."""
 
   def __init__(self, directory: str):
-    index_path, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
-    if os.path.isfile(index_path):
-      with open(index_path) as f:
+    index_path, single = paths.join(directory, INDEX), paths.join(directory, SINGLE)
+    if paths.isfile(index_path):
+      with paths.open_file(index_path) as f:
         files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(single):
+    elif paths.isfile(single):
       files = [SINGLE]
     else:
       raise InputError(f"{directory}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
     self._where: dict[str, tuple[str, dict[str, Any], int]] = {}
     for name in files:
-      path = os.path.join(directory, name)
-      if not os.path.isfile(path):
+      path = paths.join(directory, name)
+      if not paths.isfile(path):
         raise InputError(f"{path}: listed in {INDEX} but missing")
       header, start = _read_header(path)
       for tensor, info in header.items():
@@ -76,7 +87,7 @@ class SafetensorsReader:
     out = np.empty(info["shape"], dtype)
     if out.nbytes != end - begin:
       raise InputError(f"{path}: tensor {name!r} has {end - begin} bytes, shape {info['shape']} needs {out.nbytes}")
-    with open(path, "rb") as f:
+    with paths.open_file(path, "rb") as f:
       f.seek(start + begin)
       f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
     return out
@@ -91,7 +102,7 @@ def _write_file(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype, C
     offset += size
   raw = json.dumps(header, separators=(",", ":")).encode()
   raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
-  with open(path, "wb") as f:
+  with paths.open_file(path, "wb") as f:
     f.write(struct.pack("<Q", len(raw)) + raw)
     for name, shape, dtype, produce in entries:
       array = np.ascontiguousarray(produce(), dtype=dtype)
@@ -100,8 +111,11 @@ def _write_file(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype, C
       f.write(array.tobytes())
 
 
-def write_checkpoint(directory: str, tensors: Iterable[tuple[str, tuple[int, ...], Any, Callable[[], np.ndarray]]],
-                     max_shard_bytes: int = 5 * 2**30) -> list[str]:
+def write_checkpoint(
+  directory: str,
+  tensors: Iterable[tuple[str, tuple[int, ...], Any, Callable[[], np.ndarray]]],
+  max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
   """Write (name, shape, dtype, produce) tensors, producing each only when it is written.
 
   One model.safetensors when it fits in max_shard_bytes, else numbered shards plus the index file
@@ -117,16 +131,16 @@ def write_checkpoint(directory: str, tensors: Iterable[tuple[str, tuple[int, ...
       size = 0
     shards[-1].append(entry)
     size += nbytes
-  os.makedirs(directory, exist_ok=True)
+  paths.makedirs(directory)
   if len(shards) == 1:
-    _write_file(os.path.join(directory, SINGLE), shards[0])
+    _write_file(paths.join(directory, SINGLE), shards[0])
     return [SINGLE]
   names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   weight_map = {}
   for name, shard in zip(names, shards):
-    _write_file(os.path.join(directory, name), shard)
+    _write_file(paths.join(directory, name), shard)
     weight_map.update({entry[0]: name for entry in shard})
   total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
-  with open(os.path.join(directory, INDEX), "w") as f:
+  with paths.open_file(paths.join(directory, INDEX), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   return names + [INDEX]

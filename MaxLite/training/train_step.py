@@ -10,16 +10,22 @@ import jax.numpy as jnp
 import optax
 
 from MaxLite.config import Config
-from MaxLite.optimizer import learning_rate_schedule
-from MaxLite.train_state import TrainState
+from MaxLite.training.optimizer import learning_rate_schedule
+from MaxLite.training.train_state import TrainState
 
 Batch = dict[str, jax.Array]
 
 
 def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
   """Summed (not averaged) losses over real tokens, so microbatches add up to the full batch exactly."""
-  logits, extra = apply_fn({"params": params}, batch["inputs"], batch["inputs_position"],
-                           batch["inputs_segmentation"], rngs={"dropout": rng}, mutable="intermediates")
+  logits, extra = apply_fn(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_position"],
+    batch["inputs_segmentation"],
+    rngs={"dropout": rng},
+    mutable="intermediates",
+  )
   logits = logits.astype(jnp.float32)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   # One log-sum-exp over the vocabulary serves both the cross-entropy and the z-loss.
@@ -56,8 +62,9 @@ def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) 
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   micros = _microbatches(batch, n)
-  aux_shape = jax.eval_shape(lambda: grad_fn(state.params, state.apply_fn, jax.tree.map(lambda v: v[0], micros),
-                                              rng, config)[0][1])
+  aux_shape = jax.eval_shape(
+    lambda: grad_fn(state.params, state.apply_fn, jax.tree.map(lambda v: v[0], micros), rng, config)[0][1]
+  )
   aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
   (grads, aux, _), _ = jax.lax.scan(accumulate, (zeros, aux0, 0), micros)
   return grads, aux
@@ -71,11 +78,11 @@ def train_step(state: TrainState, batch: Batch, *, config: Config) -> tuple[Trai
   grad_norm = optax.global_norm(grads)
   new_state = state.apply_gradients(grads=grads)
   metrics = {
-      "loss": (aux["xent_sum"] + aux["z_sum"] + config.load_balance_loss_weight * aux.get("moe_lb_sum", 0.0)) / tokens,
-      "z_loss": aux["z_sum"] / tokens,
-      "grad_norm": grad_norm,
-      "learning_rate": learning_rate_schedule(config)(state.step),
-      "tokens": aux["tokens"],
+    "loss": (aux["xent_sum"] + aux["z_sum"] + config.load_balance_loss_weight * aux.get("moe_lb_sum", 0.0)) / tokens,
+    "z_loss": aux["z_sum"] / tokens,
+    "grad_norm": grad_norm,
+    "learning_rate": learning_rate_schedule(config)(state.step),
+    "tokens": aux["tokens"],
   }
   if "moe_lb_sum" in aux:
     metrics["moe_lb_loss"] = aux["moe_lb_sum"] / tokens
@@ -89,10 +96,17 @@ def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> di
 
 
 def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any):
-  return jax.jit(functools.partial(train_step, config=config), in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, replicated), donate_argnums=0)
+  return jax.jit(
+    functools.partial(train_step, config=config),
+    in_shardings=(state_shardings, batch_sharding),
+    out_shardings=(state_shardings, replicated),
+    donate_argnums=0,
+  )
 
 
 def jit_eval_step(config: Config, apply_fn: Any, param_shardings: Any, batch_sharding: Any, replicated: Any):
-  return jax.jit(functools.partial(eval_step, apply_fn=apply_fn, config=config),
-                 in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+  return jax.jit(
+    functools.partial(eval_step, apply_fn=apply_fn, config=config),
+    in_shardings=(param_shardings, batch_sharding),
+    out_shardings=replicated,
+  )

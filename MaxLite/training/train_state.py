@@ -37,8 +37,11 @@ def _new_state(model: nn.Module, tx: optax.GradientTransformation, params: Any) 
 
 def _unbox(tree: Any) -> Any:
   """Strip logical-partitioning boxes without adding sharding constraints (shardings come from jit)."""
-  return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x, tree,
-                      is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  return jax.tree.map(
+    lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, nn.Partitioned),
+  )
 
 
 def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh):
@@ -51,7 +54,9 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: C
   return _unbox(boxed), logical, logical_to_sharding(logical, mesh, config)
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any) -> TrainState:
+def create_train_state(
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any
+) -> TrainState:
   """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state."""
   init = jax.jit(functools.partial(_init_state, model, tx, config), out_shardings=shardings)
   return _unbox(init(jax.random.key(config.init_weights_seed)))

@@ -11,7 +11,8 @@ stage has no microbatch yet (or any more) compute on padding and are discarded: 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -40,8 +41,17 @@ def _shift_in(first: jax.Array, previous: jax.Array) -> jax.Array:
   return jnp.concatenate([first[None], previous[:-1]], axis=0)
 
 
-def run_pipeline(layer_fn: LayerFn, params: Any, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-                 rng: jax.Array, *, stages: int, microbatches: int) -> tuple[jax.Array, Any]:
+def run_pipeline(
+  layer_fn: LayerFn,
+  params: Any,
+  x: jax.Array,
+  segment_ids: jax.Array,
+  positions: jax.Array,
+  rng: jax.Array,
+  *,
+  stages: int,
+  microbatches: int,
+) -> tuple[jax.Array, Any]:
   """Apply all scanned layers to x [batch, seq, embed] -> (x, per-layer aux [layers, ...] summed over
   microbatches, or None)."""
   num_layers = jax.tree.leaves(params)[0].shape[0]
@@ -56,6 +66,7 @@ def run_pipeline(layer_fn: LayerFn, params: Any, x: jax.Array, segment_ids: jax.
       p, j = layer
       layer_rng = jax.random.fold_in(jax.random.fold_in(rng, stage * per_stage + j), micro)
       return layer_fn(p, carry, seg, pos, layer_rng)
+
     return jax.lax.scan(one_layer, h, (stage_params, jnp.arange(per_stage)))
 
   run_stages = jax.vmap(stage_fn, spmd_axis_name="stage")
@@ -82,12 +93,24 @@ def run_pipeline(layer_fn: LayerFn, params: Any, x: jax.Array, segment_ids: jax.
     return (h, seg, pos, outputs, aux_total), None
 
   state_shape = (stages, *micro_x.shape[1:])
-  aux_shape = jax.eval_shape(lambda: run_stages(staged, jnp.zeros(state_shape, x.dtype),
-                                                jnp.zeros(state_shape[:3], segment_ids.dtype),
-                                                jnp.zeros(state_shape[:3], positions.dtype), stage_index, stage_index)[1])
+  aux_shape = jax.eval_shape(
+    lambda: run_stages(
+      staged,
+      jnp.zeros(state_shape, x.dtype),
+      jnp.zeros(state_shape[:3], segment_ids.dtype),
+      jnp.zeros(state_shape[:3], positions.dtype),
+      stage_index,
+      stage_index,
+    )[1]
+  )
   aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape)  # [stages, per_stage, ...]
-  carry = (jnp.zeros(state_shape, x.dtype), jnp.zeros(state_shape[:3], segment_ids.dtype),
-           jnp.zeros(state_shape[:3], positions.dtype), jnp.zeros_like(micro_x), aux0)
+  carry = (
+    jnp.zeros(state_shape, x.dtype),
+    jnp.zeros(state_shape[:3], segment_ids.dtype),
+    jnp.zeros(state_shape[:3], positions.dtype),
+    jnp.zeros_like(micro_x),
+    aux0,
+  )
   (_, _, _, outputs, aux_total), _ = jax.lax.scan(tick, carry, jnp.arange(microbatches + stages - 1))
   per_layer = jax.tree.map(lambda a: a.reshape(num_layers, *a.shape[2:]), aux_total)
   return from_microbatches(outputs), per_layer

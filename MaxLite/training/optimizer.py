@@ -13,7 +13,7 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
   total = config.learning_rate_schedule_steps
   warmup = int(config.warmup_steps_fraction * total)
   peak = config.learning_rate
-  cosine = optax.cosine_decay_schedule(peak, max(total - warmup, 1), alpha=config.cosine_learning_rate_final_fraction)
+  cosine = optax.cosine_decay_schedule(peak, max(total - warmup, 1), alpha=config.learning_rate_final_fraction)
   if warmup == 0:
     return cosine
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), cosine], [warmup])
@@ -22,12 +22,19 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
 def _decay_mask(params):
   # Norm scales are gains, not weights: decaying them towards zero would fight the normalisation.
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: not any(getattr(k, "key", None) == "scale" for k in path), params)
+    lambda path, _: not any(getattr(k, "key", None) == "scale" for k in path), params
+  )
 
 
 def create_optimizer(config: Config) -> optax.GradientTransformation:
-  adamw = optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                      weight_decay=config.adam_weight_decay, mask=_decay_mask)
+  adamw = optax.adamw(
+    learning_rate_schedule(config),
+    b1=config.adam_b1,
+    b2=config.adam_b2,
+    eps=config.adam_eps,
+    weight_decay=config.adam_weight_decay,
+    mask=_decay_mask,
+  )
   if config.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)
   return adamw

@@ -7,25 +7,27 @@ fetched after step N+1 has been queued, so logging costs no device idle time.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
+from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import checkpointing, flops, input_pipeline, sharding as sharding_lib
+from MaxLite import sharding as sharding_lib
+from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import Config
+from MaxLite.data import input_pipeline
 from MaxLite.errors import MaxLiteError
+from MaxLite.layers.decoder import Transformer
 from MaxLite.mesh import create_mesh, describe_mesh
-from absl import logging
-
-from MaxLite.metrics import MetricsWriter, log_line
-from MaxLite.model import Transformer
-from MaxLite.optimizer import create_optimizer
-from MaxLite.preemption import PreemptionWatcher
-from MaxLite.train_state import abstract_state, bytes_per_device, create_train_state, state_from_params
-from MaxLite.train_step import jit_eval_step, jit_train_step
+from MaxLite.training import flops
+from MaxLite.training.metrics import MetricsWriter, log_line
+from MaxLite.training.optimizer import create_optimizer
+from MaxLite.training.preemption import PreemptionWatcher
+from MaxLite.training.train_state import abstract_state, bytes_per_device, create_train_state, state_from_params
+from MaxLite.training.train_step import jit_eval_step, jit_train_step
 
 
 class NonFiniteLossError(MaxLiteError):
@@ -37,8 +39,10 @@ class _Profiler:
 
   def __init__(self, config: Config):
     self._on = config.profiler == "xplane" and jax.process_index() == 0
-    self._first, self._last = config.skip_first_n_steps_for_profiler, (
-        config.skip_first_n_steps_for_profiler + config.profiler_steps)
+    self._first, self._last = (
+      config.skip_first_n_steps_for_profiler,
+      (config.skip_first_n_steps_for_profiler + config.profiler_steps),
+    )
     self._dir, self._active = config.tensorboard_dir, False
 
   def before_step(self, step: int) -> None:
@@ -100,7 +104,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
-  if config.print_sharding and jax.process_index() == 0:
+  if config.debug_sharding and jax.process_index() == 0:
     abstract, logical, shardings = abstract_state(model, tx, config, mesh)
     print(sharding_lib.sharding_report(abstract.params, logical.params, shardings.params), flush=True)
   manager = checkpointing.create_manager(config)
@@ -114,8 +118,12 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
     raise
   params_bytes = bytes_per_device(state.params)
   # Gradients are created inside the step with the parameters' shardings and dtype.
-  logging.info("memory per device: params %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB",
-               params_bytes / 2**20, params_bytes / 2**20, bytes_per_device(state.opt_state) / 2**20)
+  logging.info(
+    "memory per device: params %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB",
+    params_bytes / 2**20,
+    params_bytes / 2**20,
+    bytes_per_device(state.opt_state) / 2**20,
+  )
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
   eval_fn = None
@@ -136,11 +144,19 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
     now = time.perf_counter()
     step_time, last_time = now - last_time, now
     if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
-      raise NonFiniteLossError(f"step {step}: loss is {values['loss']} and grad_norm is {values['grad_norm']}; "
-                               "stopping (try a lower learning_rate or gradient_clipping_threshold)")
-    row = {"step": step, "loss": values["loss"], "learning_rate": values["learning_rate"],
-           "grad_norm": values["grad_norm"], "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-           "tflops_per_device": tflops_per_device / step_time}
+      raise NonFiniteLossError(
+        f"step {step}: loss is {values['loss']} and grad_norm is {values['grad_norm']}; "
+        "stopping (try a lower learning_rate or gradient_clipping_threshold)"
+      )
+    row = {
+      "step": step,
+      "loss": values["loss"],
+      "learning_rate": values["learning_rate"],
+      "grad_norm": values["grad_norm"],
+      "step_time_s": step_time,
+      "tokens_per_s": tokens_per_step / step_time,
+      "tflops_per_device": tflops_per_device / step_time,
+    }
     if config.z_loss_multiplier:
       row["z_loss"] = values["z_loss"]
     for key in ("moe_lb_loss", "moe_dropped_fraction"):
@@ -163,13 +179,17 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       pending = (step, metrics)
       preempted = preemption is not None and preemption.reached(step)
       if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps or preempted):
+        finish(*pending)  # the saved step's metrics row goes out with it (a resume starts after it)
+        pending = None
         checkpointing.save(manager, step, state, batches, config)
+        writer.flush()
       if preempted:
         logging.info("preempted: saved a checkpoint at step %d, stopping", step)
         break
       if eval_fn is not None and step % config.eval_interval == 0:
-        finish(*pending)
-        pending = None
+        if pending is not None:
+          finish(*pending)
+          pending = None
         eval_loss = evaluate(config, mesh, eval_fn, state.params)
         logging.info(f"step {step:>6d} | eval_loss {eval_loss:.4f}")
         writer.write({"step": step, "eval_loss": eval_loss})

@@ -16,7 +16,6 @@ from jax.experimental import multihost_utils
 
 
 class PreemptionWatcher:
-
   def __init__(self) -> None:
     self._signalled = False
     self._previous: Any = None

@@ -1,0 +1,98 @@
+"""One command-line convention for every MaxLite tool.
+
+Config tools (train, decode, train_compile) take `CONFIG.yml [key=value ...]` as MaxText's do and run
+under absl (its logging and flag parsing). Flag tools (converters, launchers, data tools) take
+`--name=value` flags through `FlagParser`. Every tool prints its usage with an example on `--help`,
+turns input the user can fix into one `error: ...` line with exit code 2, and exits 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging as std_logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from MaxLite.errors import MaxLiteError, UsageError
+
+BAD_INPUT = 2
+INTERRUPTED = 130
+HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "--helpshort")
+
+Entry = Callable[[Sequence[str]], "int | None"]
+
+
+def run(entry: Entry, argv: Sequence[str]) -> int:
+  """Calls `entry(argv)` and returns its exit code: a MaxLiteError becomes one `error:` line and 2."""
+  try:
+    result = entry(list(argv))
+  except MaxLiteError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return BAD_INPUT
+  except KeyboardInterrupt:
+    return INTERRUPTED
+  return result if isinstance(result, int) else 0
+
+
+class FlagParser(argparse.ArgumentParser):
+  """argparse for the flag tools; a bad flag is one `error:` line (a UsageError), not usage + exit."""
+
+  def __init__(self, doc: str, prog: str | None = None):
+    super().__init__(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+  def error(self, message: str) -> NoReturn:
+    raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def add_bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+  """`--NAME` alone means true; `--NAME=true|false` is MaxText's spelling."""
+  parser.add_argument(name, nargs="?", const=True, default=False, type=_str2bool, help=help_text)
+
+
+def _str2bool(value: str) -> bool:
+  if value.lower() in ("true", "1", "yes"):
+    return True
+  if value.lower() in ("false", "0", "no"):
+    return False
+  raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -> NoReturn:
+  """Runs a `CONFIG.yml [key=value ...]` tool under absl and exits with its code."""
+  from absl import app, flags, logging
+
+  argv = list(sys.argv if argv is None else argv)
+  if any(arg in HELP_FLAGS for arg in argv[1:]):
+    print(doc.strip())
+    sys.exit(0)
+
+  def parse_flags(args: list[str]) -> list[str]:
+    try:
+      return flags.FLAGS(args)
+    except flags.Error as e:
+      print(f"error: {e}; {os.path.basename(args[0])} takes CONFIG.yml [key=value ...] (see --help)", file=sys.stderr)
+      sys.exit(BAD_INPUT)
+
+  def absl_main(args: list[str]) -> None:
+    logging.get_absl_handler().addFilter(_quiet_orbax_info)
+    sys.unraisablehook = _drop_closed_loop_noise
+    sys.exit(run(entry, args[1:]))
+
+  logging.set_verbosity(logging.INFO)
+  app.run(absl_main, argv=argv, flags_parser=parse_flags)
+  sys.exit(0)  # app.run exits itself; this only tells type checkers so
+
+
+def _quiet_orbax_info(record: std_logging.LogRecord) -> bool:
+  """Orbax logs several INFO lines per save on every process; keep its warnings and errors only."""
+  return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def _drop_closed_loop_noise(unraisable: sys.UnraisableHookArgs) -> None:
+  """After one read of a corrupt checkpoint fails, orbax closes its event loop while tensorstore is
+  still finishing the sibling reads; their callbacks then fail harmlessly. Keep the error one line."""
+  if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+    return
+  sys.__unraisablehook__(unraisable)

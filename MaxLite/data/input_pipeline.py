@@ -1,0 +1,130 @@
+"""This process's rows of each batch -> global jax arrays sharded on the batch mesh axes.
+
+Every input source (synthetic, grain) produces only the rows whose devices live in this process;
+`jax.make_array_from_process_local_data` stitches them into one global array per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from MaxLite.config import Config
+from MaxLite.data import BATCH_KEYS
+from MaxLite.data.synthetic import SyntheticIterator
+from MaxLite.errors import ConfigError
+from MaxLite.paths import resolve_list
+from MaxLite.sharding import batch_sharding
+
+
+def check_tokenizer(config: Config) -> None:
+  """vocab_size must cover every id the tokenizer can produce."""
+  if config.dataset_type != "grain":
+    return
+  from MaxLite.data.tokenizer import load_tokenizer
+
+  tokenizer = load_tokenizer(resolve_list(config.tokenizer_path))
+  if config.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(
+      f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
+      f"{tokenizer.vocab_size} ({config.tokenizer_path}); set vocab_size >= {tokenizer.vocab_size}"
+    )
+
+
+def _rows_by_process(sharding: NamedSharding, global_batch: int) -> dict[int, tuple[int, ...]]:
+  rows: dict[int, set[int]] = {}
+  for device, index in sharding.devices_indices_map((global_batch, 1)).items():
+    start, stop, _ = index[0].indices(global_batch)
+    rows.setdefault(device.process_index, set()).update(range(start, stop))
+  return {process: tuple(sorted(held)) for process, held in rows.items()}
+
+
+def process_rows(sharding: NamedSharding, global_batch: int) -> tuple[int, ...]:
+  """The global batch rows this process's devices hold, ascending. They need not be contiguous: on
+  large TPU slices the mesh orders devices physically, so a host's chips can sit at rows 0-1 and 4-5.
+  `make_array_from_process_local_data` takes them in this order."""
+  return _rows_by_process(sharding, global_batch)[jax.process_index()]
+
+
+def data_shard(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
+  """(index, count) of this process's shard of the data: processes holding the same rows (replicas
+  along non-batch mesh axes) read the same shard; distinct row sets are numbered by their first row."""
+  by_process = _rows_by_process(sharding, global_batch)
+  row_sets = sorted(set(by_process.values()))
+  return row_sets.index(by_process[jax.process_index()]), len(row_sets)
+
+
+class GlobalBatchIterator:
+  """Wraps a per-process numpy iterator; yields dicts of global jax.Arrays."""
+
+  def __init__(self, local: Any, sharding: NamedSharding, global_shape: tuple[int, int], process_invariant: bool):
+    self._local, self._sharding, self._global_shape = local, sharding, global_shape
+    # True when the state means the same on every process (the global batch is a function of the
+    # step), so a checkpoint may be resumed with a different number of processes.
+    self.process_invariant = process_invariant
+
+  def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    rows = next(self._local)
+    return {
+      k: jax.make_array_from_process_local_data(self._sharding, np.asarray(rows[k]), self._global_shape)
+      for k in BATCH_KEYS
+    }
+
+  def get_state(self) -> Any:
+    return self._local.get_state()
+
+  def set_state(self, state: Any) -> None:
+    self._local.set_state(state)
+
+  def close(self) -> None:
+    close = getattr(self._local, "close", None)
+    if close is not None:
+      close()
+
+
+def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_batch: int) -> Any:
+  rows = process_rows(sharding, global_batch)
+  if config.dataset_type == "synthetic":
+    seed = config.data_shuffle_seed + (0 if split == "train" else 1_000_003)
+    return SyntheticIterator(
+      global_batch=global_batch,
+      rows=rows,
+      seq_len=config.max_target_length,
+      vocab_size=config.vocab_size,
+      seed=seed,
+    )
+  from MaxLite.data.grain_pipeline import make_grain_iterator
+
+  files = config.grain_train_files if split == "train" else config.grain_eval_files
+  shard_index, shard_count = data_shard(sharding, global_batch)
+  return make_grain_iterator(
+    resolve_list(files),
+    tokenizer_path=resolve_list(config.tokenizer_path),
+    seq_len=config.max_target_length,
+    batch_size=len(rows),
+    shard_index=shard_index,
+    shard_count=shard_count,
+    seed=config.data_shuffle_seed,
+    add_bos=config.add_bos,
+    add_eos=config.add_eos,
+    shuffle=split == "train",
+    num_epochs=None,
+    worker_count=config.grain_worker_count,
+  )
+
+
+def make_iterator(config: Config, mesh: Mesh, split: str = "train") -> GlobalBatchIterator:
+  """Global batches of `global_batch_size_to_train_on` rows (all microbatches of one step)."""
+  sharding = batch_sharding(mesh, config)
+  global_batch = config.global_batch_size_to_train_on
+  local = _local_iterator(config, split, sharding, global_batch)
+  return GlobalBatchIterator(
+    local, sharding, (global_batch, config.max_target_length), process_invariant=config.dataset_type == "synthetic"
+  )

@@ -1,0 +1,220 @@
+"""Paths MaxLite reads and writes: local files or cloud URLs (`gs://bucket/...`), through one small API.
+
+Every function takes a local path or a URL. Local paths use the filesystem directly; URLs go through
+fsspec (gcsfs for gs://), and checkpoints go to orbax/tensorstore, which read gs:// themselves. The
+shipped configs and assets live beside the package in a checkout (`configs/`, `assets/`) and inside it
+in an installed wheel; `bundled_root()` finds either.
+
+`STORAGE_EMULATOR_HOST=http://host:port` (the standard switch for a local GCS server) points every layer
+at that server with no credentials: gcsfs and google-cloud-storage read it themselves; tensorstore,
+ArrayRecord's reader and google-auth get their own names for it from `use_storage_emulator_if_set()`.
+"""
+
+from __future__ import annotations
+
+import glob as local_glob
+import os
+import posixpath
+from collections.abc import Iterator
+from typing import IO, Any
+
+from MaxLite.errors import InputError, first_line
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def use_storage_emulator_if_set(environ: dict[str, str] | None = None) -> None:
+  """With STORAGE_EMULATOR_HOST set, give each storage library its own name for the emulator (setdefault)."""
+  environ = os.environ if environ is None else environ
+  host = environ.get("STORAGE_EMULATOR_HOST", "")
+  if not host:
+    return
+  url = host if "://" in host else f"http://{host}"
+  for key, value in (
+    ("TENSORSTORE_GCS_HTTP_URL", url),  # orbax's array storage
+    ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator"),  # tensorstore: no credential lookup
+    ("CLOUD_STORAGE_EMULATOR_ENDPOINT", url),  # ArrayRecord's reader (google-cloud-cpp)
+    ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"),  # gcsfs: no gRPC bucket-type probe (60 s each)
+    ("NO_GCE_CHECK", "true"),  # google-auth: no metadata-server probe
+  ):
+    environ.setdefault(key, value)
+
+
+def is_url(path: str) -> bool:
+  return "://" in path
+
+
+def join(base: str, *parts: str) -> str:
+  return posixpath.join(base, *parts) if is_url(base) else os.path.join(base, *parts)
+
+
+def absolute(path: str) -> str:
+  """An absolute local path (with ~ expanded); URLs unchanged."""
+  return path if is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def dirname(path: str) -> str:
+  return posixpath.dirname(path.rstrip("/")) if is_url(path) else os.path.dirname(path)
+
+
+def basename(path: str) -> str:
+  return posixpath.basename(path.rstrip("/")) if is_url(path) else os.path.basename(path)
+
+
+def _fs(path: str) -> tuple[Any, str]:
+  """(fsspec filesystem, path inside it) for a URL."""
+  import fsspec
+
+  try:
+    return fsspec.core.url_to_fs(path)
+  except ImportError as e:
+    hint = "gs:// needs gcsfs: `pip install 'maxlite[gcs]'`; setup.sh installs it"
+    raise InputError(f"{path}: {first_line(e)} ({hint})") from None
+  except ValueError as e:
+    raise InputError(f"{path}: not a path or a supported URL ({first_line(e)})") from None
+
+
+def exists(path: str) -> bool:
+  if not is_url(path):
+    return os.path.exists(path)
+  fs, inner = _fs(path)
+  return fs.exists(inner)
+
+
+def isdir(path: str) -> bool:
+  if not is_url(path):
+    return os.path.isdir(path)
+  fs, inner = _fs(path)
+  return fs.isdir(inner)
+
+
+def isfile(path: str) -> bool:
+  if not is_url(path):
+    return os.path.isfile(path)
+  fs, inner = _fs(path)
+  return fs.isfile(inner)
+
+
+def listdir(path: str) -> list[str]:
+  """Names in a directory (a URL prefix); [] when there is none."""
+  if not is_url(path):
+    return os.listdir(path) if os.path.isdir(path) else []
+  fs, inner = _fs(path)
+  try:
+    return sorted({posixpath.basename(p.rstrip("/")) for p in fs.ls(inner, detail=False)})
+  except FileNotFoundError:
+    return []
+
+
+def makedirs(path: str) -> None:
+  """A local directory tree; nothing to do for object stores, where directories are name prefixes."""
+  if not is_url(path):
+    os.makedirs(path, exist_ok=True)
+
+
+def open_file(path: str, mode: str = "r") -> IO[Any]:
+  """A file object; on object stores a written file appears whole when closed."""
+  if not is_url(path):
+    if "w" in mode or "a" in mode:
+      makedirs(os.path.dirname(path) or ".")
+    return open(path, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+  fs, inner = _fs(path)
+  return fs.open(inner, mode)
+
+
+def read_text(path: str) -> str:
+  with open_file(path) as f:
+    return f.read()
+
+
+def read_bytes(path: str) -> bytes:
+  with open_file(path, "rb") as f:
+    return f.read()
+
+
+def write_text(path: str, text: str) -> None:
+  with open_file(path, "w") as f:
+    f.write(text)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  with open_file(path, "wb") as f:
+    f.write(data)
+
+
+def glob(pattern: str) -> list[str]:
+  if not is_url(pattern):
+    return local_glob.glob(os.path.expanduser(pattern))
+  fs, inner = _fs(pattern)
+  protocol = pattern.split("://", 1)[0]
+  return [f"{protocol}://{p}" for p in fs.glob(inner)]
+
+
+def walk_files(path: str) -> Iterator[str]:
+  """Every file under a directory, as full paths or URLs."""
+  if not is_url(path):
+    for root, _, files in os.walk(path):
+      yield from (os.path.join(root, f) for f in files)
+    return
+  fs, inner = _fs(path)
+  protocol = path.split("://", 1)[0]
+  yield from (f"{protocol}://{p}" for p in fs.find(inner))
+
+
+def check_bucket(path: str, key: str) -> None:
+  """For a gs:// URL: the bucket exists and is reachable with this machine's credentials; one clear line if not."""
+  if not is_url(path):
+    return
+  fs, inner = _fs(path)
+  bucket = inner.split("/", 1)[0]
+  try:
+    found = fs.exists(bucket)
+  except Exception as e:  # gcsfs raises aiohttp, google-auth and HTTP errors for a bad endpoint or credentials
+    raise InputError(f"{key}={path}: cannot reach its storage ({type(e).__name__}: {first_line(e)})") from None
+  if not found:
+    raise InputError(f"{key}={path}: bucket {bucket!r} does not exist (or these credentials cannot see it)")
+
+
+def bundled_root() -> str:
+  """The directory holding `configs/` and `assets/`: the checkout root, or the installed package."""
+  checkout = os.path.dirname(_PACKAGE_DIR)
+  if os.path.isfile(os.path.join(checkout, "configs", "base.yml")):
+    return checkout
+  return _PACKAGE_DIR
+
+
+def configs_dir() -> str:
+  return os.path.join(bundled_root(), "configs")
+
+
+def resolve(pattern: str) -> str:
+  """A relative path or glob that matches nothing from the cwd is looked up under the bundled root,
+  so the shipped defaults (`assets/...`, `configs/...`) work from any directory. URLs are unchanged."""
+  if not pattern or is_url(pattern):
+    return pattern
+  pattern = os.path.expanduser(pattern)
+  if os.path.isabs(pattern) or local_glob.glob(pattern):
+    return pattern
+  candidate = os.path.join(bundled_root(), pattern)
+  return candidate if local_glob.glob(candidate) else pattern
+
+
+def resolve_list(patterns: str) -> str:
+  """`resolve` on each of comma-separated patterns."""
+  return ",".join(resolve(p.strip()) for p in patterns.split(",")) if patterns else patterns
+
+
+def expand_globs(patterns: str, what: str) -> list[str]:
+  """Sorted, de-duplicated files matching comma-separated globs (local or URLs); InputError if none match."""
+  globs = [resolve(p.strip()) for p in patterns.split(",") if p.strip()]
+  files: set[str] = set()
+  for g in globs:
+    try:
+      files.update(f for f in glob(g) if is_url(f) or os.path.isfile(f))
+    except InputError:
+      raise
+    except Exception as e:
+      raise InputError(f"{what}: cannot list {g} ({type(e).__name__}: {first_line(e)})") from None
+  if not files:
+    raise InputError(f"{what}: no files match {patterns!r}")
+  return sorted(files)

@@ -1,0 +1,109 @@
+"""When a process joins jax.distributed, and the preflight checks that stop a mis-started pod job."""
+
+import pytest
+from conftest import make_config
+
+from MaxLite.errors import ConfigError
+from MaxLite.launch import preflight
+from MaxLite.launch.distributed import join_reason
+
+RAW = {"skip_jax_distributed_system": False, "coordinator_address": ""}
+
+
+@pytest.mark.parametrize(
+  "raw, environ, tpu, expected",
+  [
+    ({}, {}, False, None),  # a laptop: single process
+    ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, False, None),  # one SLURM task
+    ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, False, "SLURM job 7 with 4 tasks"),
+    ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}, False, "SLURM job 7 with 2 tasks"),
+    ({}, {}, True, "TPU VM"),
+    ({}, {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}, False, "JAX_COORDINATOR_ADDRESS=10.0.0.2:1234"),
+    ({"coordinator_address": "h:1"}, {}, False, "coordinator_address=h:1"),
+    ({"skip_jax_distributed_system": True}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, True, None),
+  ],
+)
+def test_join_only_where_the_environment_has_several_hosts(raw, environ, tpu, expected):
+  reason = join_reason({**RAW, **raw}, environ, tpu)
+  assert reason == expected or (expected is not None and reason is not None and reason.startswith(expected))
+
+
+def test_a_tpu_vm_never_falls_back_to_cpu_silently():
+  preflight.check_backend({}, tpu_present=False, backend="cpu")  # a CPU machine
+  preflight.check_backend({}, tpu_present=True, backend="tpu")
+  preflight.check_backend({"JAX_PLATFORMS": "cpu"}, tpu_present=True, backend="cpu")  # asked for
+  with pytest.raises(ConfigError, match="TPU chips but jax is running on the CPU"):
+    preflight.check_backend({}, tpu_present=True, backend="cpu")
+
+
+def test_process_and_device_counts_must_match_the_job():
+  preflight.check_devices({0: 4, 1: 4}, expected_processes=2)
+  preflight.check_devices({0: 4, 1: 4}, expected_processes=-1)
+  with pytest.raises(ConfigError, match="num_processes=4 but 2 processes joined"):
+    preflight.check_devices({0: 4, 1: 4}, expected_processes=4)
+  with pytest.raises(ConfigError, match=r"different numbers of devices \(process 0: 4, process 1: 2\)"):
+    preflight.check_devices({0: 4, 1: 2}, expected_processes=2)
+
+
+def test_config_digest_ignores_only_per_process_keys():
+  a = make_config("process_id=0").to_dict()
+  assert preflight.config_digest(a) == preflight.config_digest(make_config("process_id=1").to_dict())
+  b = make_config("steps=7").to_dict()
+  assert preflight.config_digest(a) != preflight.config_digest(b)
+  assert preflight.differing_keys(b, a) == ["learning_rate_schedule_steps", "steps"]
+
+
+def test_a_cpu_only_jax_on_a_tpu_host_stops_before_jax_starts(monkeypatch):
+  from MaxLite.launch import install_check
+
+  with pytest.raises(ConfigError, match="this machine has TPU chips but jax has no TPU support installed"):
+    preflight.check_tpu_support({}, tpu_present=True)  # this machine's jax has no libtpu
+  preflight.check_tpu_support({"JAX_PLATFORMS": "cpu"}, tpu_present=True)
+  with pytest.raises(ConfigError, match=r"DEVICE=tpu but jax .* has no TPU support \(libtpu is missing\)"):
+    install_check.check("tpu", tpu_present=True, gpu_present=False)
+  monkeypatch.setattr(install_check, "_installed", lambda *modules: True)  # as after `pip install jax[tpu]`
+  with pytest.raises(ConfigError, match="DEVICE=tpu but this machine has no TPU chips"):
+    install_check.check("tpu", tpu_present=False, gpu_present=False)
+  assert install_check.check("tpu", tpu_present=True, gpu_present=False).startswith("MaxLite set-up done")
+  assert install_check.check("cpu", tpu_present=False, gpu_present=False).endswith("DEVICE=cpu")
+
+
+def _setup(*args, **env):
+  import os
+  import subprocess
+
+  from conftest import REPO
+
+  return subprocess.run(
+    ["bash", os.path.join(REPO, "setup.sh"), *args],
+    env={**os.environ, **env},
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+
+
+@pytest.mark.parametrize(
+  "args, fragment",
+  [
+    (["FOO=1"], "unknown argument 'FOO=1'"),
+    (["DEVICE=quantum"], "DEVICE=quantum is not one of cpu, tpu, gpu"),
+    (["MODE=latest"], "MODE=latest is not one of pinned, stable, nightly"),
+    (["TEST=yes"], "AOT and TEST take 0 or 1"),
+    (["PYTHON=/nonexistent/python3"], "PYTHON=/nonexistent/python3 is not a command"),
+  ],
+)
+def test_setup_sh_bad_arguments_are_one_line(args, fragment):
+  proc = _setup(*args)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
+
+
+def test_setup_sh_refuses_an_old_python_with_how_to_get_a_new_one(tmp_path):
+  old = tmp_path / "python3.9"  # stands in for an old interpreter: answers the version probes as 3.9 would
+  old.write_text('#!/bin/bash\n[ "$1" = -V ] && { echo "Python 3.9.18"; exit 0; }\nexit 1\n')
+  old.chmod(0o755)
+  proc = _setup(f"PYTHON={old}")
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+  assert "Python 3.9.18 is too old: jax 0.10.2 needs Python 3.11 or newer" in proc.stderr
+  assert "PYTHON=~/venv/bin/python bash setup.sh" in proc.stderr
