@@ -13,14 +13,20 @@ ArrayRecord's reader and google-auth get their own names for it from `use_storag
 from __future__ import annotations
 
 import glob as local_glob
+import logging
 import os
 import posixpath
+import re
+import socket
+import urllib.parse
 from collections.abc import Iterator
 from typing import IO, Any
 
 from MaxLite.errors import InputError, first_line
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_CONNECT_TIMEOUT_S = 10.0
+_GCS_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 
 
 def use_storage_emulator_if_set(environ: dict[str, str] | None = None) -> None:
@@ -36,6 +42,7 @@ def use_storage_emulator_if_set(environ: dict[str, str] | None = None) -> None:
     ("CLOUD_STORAGE_EMULATOR_ENDPOINT", url),  # ArrayRecord's reader (google-cloud-cpp)
     ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"),  # gcsfs: no gRPC bucket-type probe (60 s each)
     ("NO_GCE_CHECK", "true"),  # google-auth: no metadata-server probe
+    ("FSSPEC_GCS_TOKEN", "anon"),  # gcsfs: no credential lookup
   ):
     environ.setdefault(key, value)
 
@@ -167,12 +174,36 @@ def check_bucket(path: str, key: str) -> None:
     return
   fs, inner = _fs(path)
   bucket = inner.split("/", 1)[0]
+  if not bucket:
+    raise InputError(f"{key}={path}: names no bucket; use {path.split('://', 1)[0]}://BUCKET/folder")
+  if path.startswith("gs://") and not _GCS_BUCKET_NAME.fullmatch(bucket):
+    raise InputError(
+      f"{key}={path}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, - _ .)"
+    )
+  if path.startswith("gs://"):
+    _check_endpoint_answers(path, key)
+  quiet = logging.getLogger("gcsfs")
+  level, quiet.level = quiet.level, logging.CRITICAL  # its retries log tracebacks; the error below says it all
   try:
     found = fs.exists(bucket)
   except Exception as e:  # gcsfs raises aiohttp, google-auth and HTTP errors for a bad endpoint or credentials
     raise InputError(f"{key}={path}: cannot reach its storage ({type(e).__name__}: {first_line(e)})") from None
+  finally:
+    quiet.level = level
   if not found:
     raise InputError(f"{key}={path}: bucket {bucket!r} does not exist (or these credentials cannot see it)")
+
+
+def _check_endpoint_answers(path: str, key: str) -> None:
+  """One TCP connection to the GCS endpoint, so a wrong host or no network is one line in seconds, not
+  after a minute of client retries."""
+  endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+  url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+  port = url.port or (443 if url.scheme == "https" else 80)
+  try:
+    socket.create_connection((url.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
+  except OSError as e:
+    raise InputError(f"{key}={path}: cannot reach its storage at {url.hostname}:{port} ({first_line(e)})") from None
 
 
 def bundled_root() -> str:

@@ -1,0 +1,299 @@
+"""gs:// everywhere, against a real GCS API on 127.0.0.1 (fake-gcs-server): runs killed and resumed on a
+bucket equal uninterrupted local runs bit for bit, with data, tokenizer, outputs and checkpoints in the bucket.
+
+Every compared run is a train.py process seeing the same device count (see test_kill_resume.py).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import procs
+import pytest
+from gcs import LocalGCS
+
+BUCKET = "maxlite-test"
+TINY = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "learning_rate=1e-2",
+  "learning_rate_schedule_steps=16",
+  "eval_interval=-1",
+  "log_period=1",
+  "dataset_type=grain",
+)
+CORPUS = os.path.join(procs.REPO, "assets", "corpus")
+TOKENIZER = os.path.join(procs.REPO, "assets", "tokenizer", "maxlite_sp8k.model")
+_LOGGED_STEP = re.compile(r"step\s+(\d+) \| loss")
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+  with LocalGCS(str(tmp_path_factory.mktemp("gcs"))) as server:
+    server.create_bucket(BUCKET)
+    for name in sorted(os.listdir(CORPUS)):
+      if name.endswith(".array_record"):
+        with open(os.path.join(CORPUS, name), "rb") as f:
+          server.upload(BUCKET, f"data/{name}", f.read())
+    with open(TOKENIZER, "rb") as f:
+      server.upload(BUCKET, "data/tokenizer.model", f.read())
+    yield server
+
+
+def _env(gcs, devices=1):
+  return dict(procs.env_with_devices(devices), **gcs.env)
+
+
+def _start(gcs, command, log, devices=1):
+  return subprocess.Popen(
+    command, env=_env(gcs, devices), stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True
+  )
+
+
+def _run(gcs, command, log, devices=1, timeout=300):
+  proc = _start(gcs, command, log, devices)
+  try:
+    return proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    procs.kill_group(proc)
+    raise
+
+
+def _wait(proc, log, condition, what, timeout=300):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if condition():
+      return
+    if proc.poll() is not None:
+      raise AssertionError(f"exited with {proc.returncode} before {what}:\n{procs.tail(log)}")
+    time.sleep(0.05)
+  procs.kill_group(proc)
+  raise AssertionError(f"no {what} within {timeout}s:\n{procs.tail(log)}")
+
+
+def _logged_steps(log):
+  with open(log, encoding="utf-8", errors="replace") as f:
+    return [int(m.group(1)) for m in _LOGGED_STEP.finditer(f.read())]
+
+
+def _bucket_losses(gcs, run):
+  text = gcs.read(BUCKET, f"runs/{run}/metrics.jsonl").decode()
+  return procs.losses([json.loads(line) for line in text.splitlines()])
+
+
+def _finalized(gcs, run):
+  """Steps whose own commit marker exists (each item inside a step has one too, written earlier)."""
+  names = gcs.objects(BUCKET, f"runs/{run}/checkpoints/")
+  return sorted(
+    int(n.split("/")[3]) for n in names if re.fullmatch(r"runs/[^/]+/checkpoints/\d+/commit_success.txt", n)
+  )
+
+
+def _step_dirs(gcs, run):
+  return sorted({int(n.split("/")[3]) for n in gcs.objects(BUCKET, f"runs/{run}/checkpoints/")})
+
+
+@pytest.fixture(scope="module")
+def resumed_on_gcs(gcs, tmp_path_factory):
+  """A local run (data and outputs on disk) and the same run on the bucket, SIGKILLed after step 6 and relaunched."""
+  tmp = tmp_path_factory.mktemp("resume")
+  common = (*TINY, "per_device_batch_size=4", "steps=10", "enable_checkpointing=true", "checkpoint_period=4")
+  local_log = str(tmp / "local.log")
+  local = (*common, f"base_output_directory={tmp}", "run_name=a", "enable_tensorboard=false")
+  assert procs.run(procs.train_command(*local), local_log) == 0, procs.tail(local_log)
+  remote = (
+    *common,
+    f"grain_train_files=gs://{BUCKET}/data/train-*.array_record",
+    f"tokenizer_path=gs://{BUCKET}/data/tokenizer.model",
+    f"base_output_directory=gs://{BUCKET}/runs",
+    "run_name=b",
+    "enable_tensorboard=true",
+  )
+  log = str(tmp / "gcs.log")
+  proc = _start(gcs, procs.train_command(*remote), log)
+  _wait(proc, log, lambda: 4 in _finalized(gcs, "b") and max(_logged_steps(log), default=0) >= 6, "step 4 saved")
+  procs.kill_group(proc, signal.SIGKILL)
+  assert _run(gcs, procs.train_command(*remote), log) == 0, procs.tail(log)
+  return {
+    "tmp": tmp,
+    "log": log,
+    "local": procs.losses(procs.metric_rows(str(tmp / "a" / "metrics.jsonl"))),
+    "remote": _bucket_losses(gcs, "b"),
+  }
+
+
+def test_killed_run_on_gcs_resumes_to_the_local_losses_bit_for_bit(gcs, resumed_on_gcs):
+  with open(resumed_on_gcs["log"], encoding="utf-8") as f:
+    assert "resumed from checkpoint at step 4" in f.read()
+  assert sorted(resumed_on_gcs["remote"]) == list(range(1, 11))
+  assert resumed_on_gcs["remote"] == resumed_on_gcs["local"]  # gs:// data + tokenizer == local files, bit for bit
+  assert _finalized(gcs, "b") == [4, 8, 10]
+  events = [n for n in gcs.objects(BUCKET, "runs/b/tensorboard/") if "tfevents" in n]
+  assert events, "no tensorboard event file in the bucket"
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  local_copy = resumed_on_gcs["tmp"] / "events" / os.path.basename(events[-1])
+  local_copy.parent.mkdir(exist_ok=True)
+  local_copy.write_bytes(gcs.read(BUCKET, events[-1]))
+  accumulator = EventAccumulator(str(local_copy.parent))
+  accumulator.Reload()
+  assert [e.step for e in accumulator.Scalars("learning/loss")][-1] == 10
+
+
+def test_tools_read_and_write_gs_paths(gcs, resumed_on_gcs):
+  tmp = resumed_on_gcs["tmp"]
+  step = f"gs://{BUCKET}/runs/b/checkpoints/10"
+  info = _run_tool(gcs, tmp, "checkpoint_info.py", f"gs://{BUCKET}/runs/b")
+  assert info.returncode == 0, info.stderr
+  assert "10" in info.stdout and "params" in info.stdout
+
+  # The bucket's final checkpoint holds the local run's exact weights: both export to the same bytes.
+  for source, target in ((step, f"gs://{BUCKET}/hf/b"), (str(tmp / "a" / "checkpoints" / "10"), str(tmp / "hf_a"))):
+    out = _run_tool(gcs, tmp, "convert_hf.py", "to_hf", f"--checkpoint_path={source}", f"--output_path={target}")
+    assert out.returncode == 0, out.stderr
+  assert gcs.read(BUCKET, "hf/b/model.safetensors") == (tmp / "hf_a" / "model.safetensors").read_bytes()
+  assert json.loads(gcs.read(BUCKET, "hf/b/config.json")) == json.loads((tmp / "hf_a" / "config.json").read_text())
+
+  compiled = _run_tool(
+    gcs,
+    tmp,
+    "train_compile.py",
+    procs.BASE_YML,
+    "model_name=tiny",
+    "compile_topology=cpu-1",
+    f"compiled_trainstep_file=gs://{BUCKET}/compiled/tiny.bin",
+  )
+  assert compiled.returncode == 0, compiled.stderr[-2000:]
+  assert len(gcs.read(BUCKET, "compiled/tiny.bin")) > 1000
+
+  # load_parameters_path from the bucket: step 1 of a new run has the eval loss of the loaded weights.
+  log = str(tmp / "load.log")
+  finetune = (*TINY, "per_device_batch_size=4", "steps=1", f"base_output_directory={tmp}", "run_name=ft")
+  command = procs.train_command(*finetune, f"load_parameters_path={step}", "enable_tensorboard=false")
+  assert _run(gcs, command, log) == 0, procs.tail(log)
+  local_command = procs.train_command(
+    *finetune, "run_name=ft_local", f"load_parameters_path={tmp / 'a' / 'checkpoints' / '10'}"
+  )
+  assert procs.run(local_command, log) == 0, procs.tail(log)
+  loaded = procs.losses(procs.metric_rows(str(tmp / "ft" / "metrics.jsonl")))
+  assert loaded == procs.losses(procs.metric_rows(str(tmp / "ft_local" / "metrics.jsonl")))
+  assert loaded[1] < resumed_on_gcs["local"][1] - 1.0  # trained weights, not a fresh start
+
+
+def _run_tool(gcs, tmp, tool, *args):
+  return subprocess.run(
+    [sys.executable, os.path.join(procs.REPO, "MaxLite", tool), *args],
+    env=_env(gcs),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=str(tmp),
+  )
+
+
+def test_a_save_cut_short_on_gcs_is_never_resumed(gcs, tmp_path):
+  """Kill while an async save to the bucket is in flight (default 7M model: saves outlast steps)."""
+  args = (
+    "dataset_type=synthetic",
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "enable_tensorboard=false",
+    "log_period=1",
+    "eval_interval=-1",
+    "steps=40",
+    "enable_checkpointing=true",
+    "checkpoint_period=1",
+    f"base_output_directory=gs://{BUCKET}/runs",
+    "run_name=partial",
+  )
+  log = str(tmp_path / "partial.log")
+  proc = _start(gcs, procs.train_command(*args), log)
+
+  def save_in_flight():
+    started, done = _step_dirs(gcs, "partial"), _finalized(gcs, "partial")
+    return bool(done) and max(started) > max(done)
+
+  _wait(proc, log, save_in_flight, "save in flight after a finalized one")
+  procs.kill_group(proc, signal.SIGKILL)
+  done = _finalized(gcs, "partial")
+  partial = sorted(set(_step_dirs(gcs, "partial")) - set(done))
+  assert partial and max(partial) > max(done)
+
+  info = _run_tool(gcs, tmp_path, "checkpoint_info.py", f"gs://{BUCKET}/runs/partial")
+  assert info.returncode == 0, info.stderr
+  assert str(max(partial)) in info.stdout  # named as an incomplete save
+
+  assert _run(gcs, procs.train_command(*args, "steps=" + str(max(partial) + 2)), log) == 0, procs.tail(log)
+  with open(log, encoding="utf-8") as f:
+    assert f"resumed from checkpoint at step {max(done)}" in f.read()
+  assert max(partial) + 2 in _finalized(gcs, "partial")
+
+
+def test_two_processes_share_one_gs_checkpoint_and_resume_bit_for_bit(gcs, tmp_path):
+  args = (
+    *TINY,
+    "enable_tensorboard=false",
+    "per_device_batch_size=1",
+    "ici_fsdp_parallelism=8",
+    "steps=8",
+  )
+  log = str(tmp_path / "launch.log")
+  local = procs.launch_command(2, 4, *args, f"base_output_directory={tmp_path}", "run_name=a")
+  assert procs.run(local, log) == 0, procs.tail(log)
+  straight = procs.losses(procs.metric_rows(str(tmp_path / "a" / "metrics.jsonl")))
+
+  remote = (*args, f"base_output_directory=gs://{BUCKET}/runs", "run_name=mp", "enable_checkpointing=true")
+  command = procs.launch_command(2, 4, *remote, "checkpoint_period=3")
+  launcher = _start(gcs, command, log)
+  _wait(launcher, log, lambda: 3 in _finalized(gcs, "mp") and max(_logged_steps(log), default=0) >= 5, "step 3 saved")
+  procs.kill_group(launcher, signal.SIGKILL)
+  assert _run(gcs, command, log) == 0, procs.tail(log)
+  assert _bucket_losses(gcs, "mp") == straight  # bit for bit
+  with open(log, encoding="utf-8") as f:
+    assert f.read().count("resumed from checkpoint at step") == 2  # both processes
+  iterators = [n for n in gcs.objects(BUCKET, "runs/mp/checkpoints/8/data_iter/") if n.endswith(".json")]
+  assert [os.path.basename(n) for n in iterators] == ["process_0-of-2.json", "process_1-of-2.json"]
+
+
+@pytest.mark.parametrize(
+  "output, fragment",
+  [
+    (f"gs://no-such-bucket-{os.getpid()}/runs", "bucket 'no-such-bucket"),
+    ("gs://", "base_output_directory=gs://"),
+    ("gs://ab/runs", "not a valid bucket name"),
+  ],
+)
+def test_a_missing_bucket_is_one_line_before_anything_is_written(gcs, tmp_path, output, fragment):
+  log = str(tmp_path / "bad.log")
+  proc = subprocess.run(
+    procs.train_command("dataset_type=synthetic", "steps=1", f"base_output_directory={output}"),
+    env=_env(gcs),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  del log
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+
+
+def test_an_unreachable_storage_endpoint_is_one_line(tmp_path):
+  env = dict(procs.env_with_devices(1), STORAGE_EMULATOR_HOST="http://127.0.0.1:9")
+  start = time.monotonic()
+  proc = subprocess.run(
+    procs.train_command("dataset_type=synthetic", "steps=1", "base_output_directory=gs://bucket/runs"),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=180,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "gs://bucket/runs" in errors[0] and "Traceback" not in proc.stderr
+  assert time.monotonic() - start < 120
