@@ -86,8 +86,13 @@ def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -
 
 
 def _quiet_orbax_info(record: std_logging.LogRecord) -> bool:
-  """Orbax logs several INFO lines per save on every process; keep its warnings and errors only."""
-  return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+  """Orbax logs several INFO lines per save on every process; keep its warnings and errors only, without
+  their tracebacks: a failure orbax logs (a background save, a read) reaches MaxLite, which reports it
+  as one `error:` line with its cause."""
+  if f"{os.sep}orbax{os.sep}" not in record.pathname:
+    return True
+  record.exc_info, record.exc_text = None, None
+  return record.levelno >= std_logging.WARNING
 
 
 def _drop_closed_loop_noise(unraisable: sys.UnraisableHookArgs) -> None:

@@ -126,8 +126,6 @@ def _check_positive(c: dict[str, Any]) -> None:
       raise ConfigError(f"{key} must be positive, got {c[key]}")
   if c["per_device_batch_size"] <= 0:
     raise ConfigError(f"per_device_batch_size must be positive, got {c['per_device_batch_size']}")
-  if not 0.0 <= c["warmup_steps_fraction"] < 1.0:
-    raise ConfigError(f"warmup_steps_fraction must be in [0, 1), got {c['warmup_steps_fraction']}")
   if not 0.0 <= c["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
@@ -140,6 +138,32 @@ def _check_positive(c: dict[str, Any]) -> None:
       f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
       "(eval_interval=-1 disables eval)"
     )
+
+
+# Optimizer and loss values: (key, low, high, low included, high included). A value outside makes the
+# first step diverge or silently turns a term off, so it is refused at load time instead.
+_OPTIMIZER_RANGES = (
+  ("learning_rate", 0.0, math.inf, False, False),  # 0 would train nothing (no documented use)
+  ("warmup_steps_fraction", 0.0, 1.0, True, False),
+  ("learning_rate_final_fraction", 0.0, 1.0, True, True),
+  ("adam_b1", 0.0, 1.0, True, False),
+  ("adam_b2", 0.0, 1.0, True, False),
+  ("adam_eps", 0.0, math.inf, False, False),
+  ("adam_weight_decay", 0.0, math.inf, True, False),
+  ("gradient_clipping_threshold", 0.0, math.inf, True, False),  # 0 = no clipping
+  ("z_loss_multiplier", 0.0, math.inf, True, False),
+  ("load_balance_loss_weight", 0.0, math.inf, True, False),
+)
+
+
+def _check_optimizer(c: dict[str, Any]) -> None:
+  for key, low, high, low_in, high_in in _OPTIMIZER_RANGES:
+    value = c[key]
+    above = value >= low if low_in else value > low
+    below = value <= high if high_in else value < high
+    if not (above and below):  # NaN fails both
+      interval = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+      raise ConfigError(f"{key} must be in {interval}, got {value}")
 
 
 def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
@@ -207,6 +231,7 @@ def validate_and_derive(
   c = dict(c)
   _check_choices(c)
   _check_positive(c)
+  _check_optimizer(c)
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
   dcn = {a: c[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
   slices = c["num_slices"]

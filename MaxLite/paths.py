@@ -149,6 +149,43 @@ def write_bytes(path: str, data: bytes) -> None:
     f.write(data)
 
 
+def create_new(path: str, text: str) -> None:
+  """Writes a file that must not exist yet: FileExistsError if it does. Locally the check and the creation
+  are one step (O_EXCL); on gs:// the upload carries a does-not-exist precondition (ifGenerationMatch=0),
+  which Cloud Storage enforces (a local emulator may not)."""
+  if not is_url(path):
+    makedirs(os.path.dirname(path) or ".")
+    with open(path, "x", encoding="utf-8") as f:
+      f.write(text)
+    return
+  refresh(path)
+  fs, inner = _fs(path)
+  if fs.exists(inner):
+    raise FileExistsError(path)
+  with fs.open(inner, "xb") as f:
+    f.write(text.encode())
+
+
+def refresh(path: str) -> None:
+  """Forgets what the client cached about a URL (gcsfs keeps listings), so the next call asks the store: for
+  files other processes change, such as a lock."""
+  if is_url(path):
+    fs, inner = _fs(path)
+    fs.invalidate_cache(inner)
+
+
+def remove(path: str) -> None:
+  """Deletes one file; nothing to do if it is already gone."""
+  try:
+    if not is_url(path):
+      os.remove(path)
+      return
+    fs, inner = _fs(path)
+    fs.rm_file(inner)
+  except FileNotFoundError:
+    pass
+
+
 def glob(pattern: str) -> list[str]:
   if not is_url(pattern):
     return local_glob.glob(os.path.expanduser(pattern))

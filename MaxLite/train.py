@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from absl import logging
 
-from MaxLite import cli, derived, paths
+from MaxLite import cli, derived, paths, run_lock
 from MaxLite import config as config_lib
 from MaxLite.launch import distributed, preflight
 
@@ -62,7 +62,8 @@ def run(argv: Sequence[str]) -> None:
   logging.info("config:\n%s", summarize(config))
   from MaxLite.training.trainer import train
 
-  train(config)
+  with run_lock.hold(config):
+    train(config)
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import sys
 import jax
 
 from MaxLite.config import load_config
-from MaxLite.data.input_pipeline import data_shard, process_rows
+from MaxLite.data.input_pipeline import process_rows
 from MaxLite.mesh import create_mesh
 from MaxLite.sharding import batch_sharding
 from MaxLite.training.trainer import train
@@ -38,10 +38,7 @@ def main(order: str, port: str, process_id: str, out_dir: str, *overrides: str) 
   devices = device_order(order)
   mesh = create_mesh(config, devices)
   sharding = batch_sharding(mesh, config)
-  fed = {
-    "rows": list(process_rows(sharding, config.global_batch_size_to_train_on)),
-    "shard": list(data_shard(sharding, config.global_batch_size_to_train_on)),
-  }
+  fed = {"rows": list(process_rows(sharding, config.global_batch_size_to_train_on))}
   with open(os.path.join(out_dir, f"rows_{order}_{process_id}.json"), "w") as f:
     json.dump(fed, f)
   rows = train(config, devices)

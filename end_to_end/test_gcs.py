@@ -45,7 +45,7 @@ def gcs(tmp_path_factory):
 
 
 def _env(gcs, devices=1):
-  return dict(procs.env_with_devices(devices), **gcs.env)
+  return dict(procs.env_with_devices(devices), **gcs.env, PYTHONFAULTHANDLER="1")
 
 
 def _start(gcs, command, log, devices=1):
@@ -71,8 +71,10 @@ def _wait(proc, log, condition, what, timeout=300):
     if proc.poll() is not None:
       raise AssertionError(f"exited with {proc.returncode} before {what}:\n{procs.tail(log)}")
     time.sleep(0.05)
+  os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack goes to the log
+  time.sleep(5)
   procs.kill_group(proc)
-  raise AssertionError(f"no {what} within {timeout}s:\n{procs.tail(log)}")
+  raise AssertionError(f"no {what} within {timeout}s:\n{procs.tail(log, lines=80)}")
 
 
 def _logged_steps(log):

@@ -6,6 +6,7 @@ code may round differently when the process sees a different device count, so an
 """
 
 import os
+import re
 import signal
 import time
 
@@ -102,3 +103,30 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   resumed = _run_losses(tmp_path, (*run_args, f"steps={complete + 2}"), "b")
   straight = _run_losses(tmp_path, (*args, f"steps={complete + 2}"), "a")
   assert {s: resumed[s] for s in (complete + 1, complete + 2)} == {s: straight[s] for s in (complete + 1, complete + 2)}
+
+
+def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):
+  """A save that cannot be written (a file-size limit here; a full disk or a quota alike) stops the run
+  soon after, long before the next save, with one error line naming the step and the cause."""
+  args = (
+    *TINY,
+    "dataset_type=synthetic",
+    "per_device_batch_size=1",
+    "steps=200",
+    "checkpoint_period=100",
+    "enable_checkpointing=true",
+    "jax_cache_dir=",  # its files would meet the limit too
+    f"base_output_directory={tmp_path}",
+    "run_name=b",
+  )
+  log = str(tmp_path / "b.log")
+  # Files of at most 1 MiB: the log and metrics fit, the 13 MiB train state does not (Python ignores SIGXFSZ,
+  # so the write fails with EFBIG instead of killing the process).
+  limited = ["bash", "-c", 'ulimit -f 1024 && exec "$@"', "bash", *procs.train_command(*args)]
+  assert procs.run(limited, log) == 2, procs.tail(log)
+  output = procs.tail(log, lines=500)
+  assert "Traceback" not in output, output
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, output
+  assert re.match(r"error: saving checkpoint step 100 to \S+/checkpoints/100 failed \(\w+: .*File too large", errors[0])
+  assert max(procs.losses(procs.metric_rows(str(tmp_path / "b" / "metrics.jsonl")))) < 200  # stopped early

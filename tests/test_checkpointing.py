@@ -1,10 +1,11 @@
 """Orbax checkpoints: a run stopped and resumed from its checkpoint continues exactly."""
 
+import json
+import logging
 import os
 import re
 import shutil
 import sys
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,13 +15,14 @@ from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import sharding as sharding_lib
 from MaxLite.checkpoint.info import describe
-from MaxLite.checkpoint.manager import select_iterator_state
+from MaxLite.checkpoint.manager import select_iterator_state, step_numbers
+from MaxLite.data import input_pipeline
 from MaxLite.errors import CheckpointError, ConfigError
 from MaxLite.layers.decoder import Transformer
 from MaxLite.mesh import create_mesh
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_step import jit_eval_step
-from MaxLite.training.trainer import evaluate, initial_state, train
+from MaxLite.training.trainer import NonFiniteLossError, evaluate, initial_state, train
 
 sys.path.insert(0, os.path.join(REPO, "end_to_end"))
 import procs
@@ -182,11 +184,64 @@ def test_load_path_that_is_not_a_step_directory_lists_steps(tmp_path, saved_run)
     train(config, first_devices(1))
 
 
-def test_corrupt_checkpoint_is_one_line_and_nothing_is_deleted(tmp_path, saved_run):
+def _corrupt(step_dir, how):
+  """Damages a saved step as a disk or an interrupted copy would: array data overwritten, or files missing."""
+  if how == "garbage":
+    for blob in (step_dir / "state").rglob("d/*"):
+      blob.write_bytes(b"not a checkpoint")
+  elif how == "no_metadata":
+    (step_dir / "state" / "_METADATA").unlink()
+  else:
+    for record in (step_dir / "data_iter").iterdir():
+      record.unlink()
+
+
+@pytest.mark.parametrize("how", ["garbage", "no_metadata", "no_data_position"])
+def test_unreadable_newest_step_falls_back_to_the_previous_one(tmp_path, saved_run, caplog, how):
+  """Resuming skips an unreadable step 2 with a warning, continues exactly as a resume from step 1
+  does, and leaves step 2's files as they were (a later save does not overwrite them)."""
+  shutil.copytree(saved_run, tmp_path / "r")
+  shutil.copytree(saved_run, tmp_path / "ref")
+  shutil.rmtree(tmp_path / "ref" / "checkpoints" / "2")
+  _corrupt(tmp_path / "r" / "checkpoints" / "2", how)
+  kept = _listing(tmp_path / "r" / "checkpoints" / "2")
+  args = (*BASE, "dataset_type=synthetic", "steps=3", "checkpoint_period=1", "enable_checkpointing=true")
+  with caplog.at_level(logging.WARNING):
+    fell_back = train(make_config(*args, f"base_output_directory={tmp_path}", "run_name=r"), first_devices(1))
+  reference = train(make_config(*args, f"base_output_directory={tmp_path}", "run_name=ref"), first_devices(1))
+  assert [r["step"] for r in fell_back] == [2, 3]
+  assert losses(fell_back) == losses(reference)  # bit for bit
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert any(re.search(r"skipping checkpoint step 2, .*checkpoints/2\S* could not be read \(\w+", w) for w in warnings)
+  assert _listing(tmp_path / "r" / "checkpoints" / "2") == kept
+  assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["1", "2", "3"]
+
+
+def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, saved_run):
   run = tmp_path / "r"
   shutil.copytree(saved_run, run)
-  for blob in (run / "checkpoints" / "2" / "state").rglob("d/*"):
-    blob.write_bytes(b"not a checkpoint")
+  for step in ("1", "2"):  # no saved configs, so the arrays themselves are compared
+    (run / "checkpoints" / step / "config" / "config.json").unlink()
+  before = _listing(run)
+  config = make_config(
+    *BASE,
+    "dataset_type=synthetic",
+    "base_mlp_dim=128",
+    "steps=3",
+    "enable_checkpointing=true",
+    f"base_output_directory={tmp_path}",
+    "run_name=r",
+  )
+  with pytest.raises(CheckpointError, match=r"checkpoints/2/state: '.*wi_0\.kernel' has shape \(2, 64, 192\) in the"):
+    train(config, first_devices(1))
+  assert _listing(run) == before
+
+
+def test_no_readable_checkpoint_is_one_line_and_nothing_is_deleted(tmp_path, saved_run):
+  run = tmp_path / "r"
+  shutil.copytree(saved_run, run)
+  for step in ("1", "2"):
+    _corrupt(run / "checkpoints" / step, "garbage")
   before = _listing(run)
   log = str(tmp_path / "log")
   code = procs.run(
@@ -200,29 +255,82 @@ def test_corrupt_checkpoint_is_one_line_and_nothing_is_deleted(tmp_path, saved_r
     ),
     log,
   )
-  output = procs.tail(log, lines=5)
+  output = procs.tail(log, lines=50)
   assert code == 2, output
   assert "Traceback" not in output
-  assert re.search(
-    r"^error: checkpoint .*checkpoints/2(/state)? could not be read \(.+\); move that step directory aside",
-    output,
-    re.MULTILINE,
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, output
+  assert re.match(
+    r"error: no checkpoint in .*checkpoints could be read \(step 2: checkpoint .*checkpoints/2\S* could not be "
+    r"read \(.+; step 1: checkpoint .*checkpoints/1\S* could not be read \(.+\); move the step directories aside",
+    errors[0],
   ), output
   assert _listing(run) == before
 
 
-def test_changed_process_count_is_refused_unless_data_order_is_process_invariant():
-  saved = {i: {"process_index": i, "process_count": 2, "state": {"parent": {"next_index": 10 + i}}} for i in range(2)}
-  grain_like = SimpleNamespace(process_invariant=False)
-  with pytest.raises(
-    CheckpointError,
-    match=r"written by 2 data-loading processes but this run has 1; .* Resume with 2 "
-    r"processes, or start a new run_name with load_full_state_path=/c/8",
-  ):
-    select_iterator_state(saved, "/c/8", grain_like)
-  assert select_iterator_state(saved, "/c/8", SimpleNamespace(process_invariant=True)) == {"parent": {"next_index": 10}}
+def test_data_positions_of_all_processes_merge_into_one_for_any_topology():
+  saved = {
+    i: {
+      "process_index": i,
+      "process_count": 2,
+      "state": {"num_slots": 4, "slots": {str(2 * i): [5, 0], str(2 * i + 1): [6, i]}},
+    }
+    for i in range(2)
+  }
+  merged = select_iterator_state(saved, "/c/8")
+  assert merged == {"num_slots": 4, "slots": {"0": [5, 0], "1": [6, 0], "2": [5, 0], "3": [6, 1]}}
   same = {0: {"process_index": 0, "process_count": 1, "state": {"step": 3}}}
-  assert select_iterator_state(same, "/c/8", grain_like) == {"step": 3}
+  assert select_iterator_state(same, "/c/8") == {"step": 3}  # synthetic data: a step count
+  with pytest.raises(CheckpointError, match="has no data iterator state"):
+    select_iterator_state({}, "/c/8")
+
+
+def test_a_step_whose_update_is_not_finite_is_never_saved(tmp_path):
+  """A learning rate past float32's range turns step 1's parameters into Inf while its loss and gradient
+  norm (computed before the update) are finite: the save of step 1 must see that and stop instead."""
+  config = make_config(
+    *BASE,
+    "dataset_type=synthetic",
+    "learning_rate=1e39",
+    "warmup_steps_fraction=0",
+    "gradient_clipping_threshold=0",
+    "steps=3",
+    "checkpoint_period=1",
+    "enable_checkpointing=true",
+    f"base_output_directory={tmp_path}",
+    "run_name=r",
+  )
+  with pytest.raises(NonFiniteLossError, match=r"^step 1: its update left NaN/Inf .*; stopping without saving it"):
+    train(config, first_devices(1))
+  assert step_numbers(str(tmp_path / "r" / "checkpoints")) == []
+
+
+def test_load_full_state_continues_like_a_resume_of_that_step(tmp_path):
+  """load_full_state_path=<run a's step 2> trains steps 3 and 4 exactly as resuming run a from step 2
+  does when its data position is put back to the start (a full-state load keeps step and optimizer,
+  and starts the data over)."""
+  args = (*BASE, "dataset_type=synthetic", "checkpoint_period=2", "enable_checkpointing=true", "steps=4")
+  out = f"base_output_directory={tmp_path}"
+  train(make_config(*args, out, "run_name=a"), first_devices(1))
+  shutil.copytree(tmp_path / "a", tmp_path / "ref")
+  shutil.rmtree(tmp_path / "ref" / "checkpoints" / "4")
+  config = make_config(*args, out, "run_name=ref")
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    batches = input_pipeline.make_iterator(config, mesh, "train")
+    start = batches.get_state()
+    batches.close()
+  record_file = tmp_path / "ref" / "checkpoints" / "2" / "data_iter" / "process_0-of-1.json"
+  record = json.loads(record_file.read_text())
+  assert record["state"] != start  # step 2 moved the data on
+  record_file.write_text(json.dumps({**record, "state": start}))
+  resumed = train(config, first_devices(1))
+  loaded = train(
+    make_config(*args, out, "run_name=ft", f"load_full_state_path={tmp_path}/a/checkpoints/2"), first_devices(1)
+  )
+  assert [r["step"] for r in loaded] == [r["step"] for r in resumed] == [3, 4]
+  assert losses(loaded) == losses(resumed)  # bit for bit: same weights, optimizer moments, step and batches
+  assert step_numbers(str(tmp_path / "ft" / "checkpoints")) == [4]
 
 
 def test_both_load_paths_is_a_config_error():

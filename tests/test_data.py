@@ -52,9 +52,7 @@ def corpus(tmp_path_factory):
 
 
 def _iter(files, **kw):
-  args = dict(
-    tokenizer_path=TOKENIZER, seq_len=64, batch_size=4, shard_index=0, shard_count=1, seed=7, add_bos=True, add_eos=True
-  )
+  args = dict(tokenizer_path=TOKENIZER, seq_len=64, num_slots=1, slots=(0,), seed=7, add_bos=True, add_eos=True)
   args.update(kw)
   return make_grain_iterator(files, **args)
 
@@ -268,7 +266,7 @@ def test_missing_tokenizer_file_is_clear():
 
 def test_batches_follow_contract(corpus):
   files, _ = corpus
-  b = next(_iter(files, batch_size=3, seq_len=32))
+  b = next(_iter(files, num_slots=3, slots=(0, 1, 2), seq_len=32))
   assert set(b) == set(BATCH_KEYS)
   for k in BATCH_KEYS:
     assert b[k].shape == (3, 32) and b[k].dtype == np.int32, k
@@ -279,19 +277,19 @@ def test_batches_follow_contract(corpus):
   )
 
 
-def test_shards_partition_records_once_per_epoch(corpus):
+def test_row_slots_partition_records_once_per_epoch(corpus):
   files, lines = corpus
   tok = load_tokenizer(TOKENIZER)
   records = _records(glob.glob(files))
   assert sorted(records) == sorted(lines)
   seen = []
-  for i in range(2):
-    docs = _documents_in_stream(_iter(files, shard_index=i, shard_count=2, num_epochs=1), tok)
-    assert sorted(docs) == sorted(records[i::2])  # exactly this shard's records, each once
-    assert docs != records[i::2]  # shuffled
+  for slot in range(2):
+    docs = _documents_in_stream(_iter(files, num_slots=2, slots=(slot,), num_epochs=1), tok)
+    assert sorted(docs) == sorted(records[slot::2])  # exactly this row's records, each once
+    assert docs != records[slot::2]  # shuffled
     seen += docs
   assert sorted(seen) == sorted(lines)
-  one = _documents_in_stream(_iter(files, shard_count=1, num_epochs=1), tok)
+  one = _documents_in_stream(_iter(files, num_epochs=1), tok)
   assert sorted(one) == sorted(lines) and one == _documents_in_stream(_iter(files, num_epochs=1), tok)
   two = _documents_in_stream(_iter(files, num_epochs=2, seed=3), tok)
   assert sorted(two) == sorted(lines * 2) and two[:150] != two[150:]  # new order each epoch
@@ -299,34 +297,106 @@ def test_shards_partition_records_once_per_epoch(corpus):
   assert plain == records
 
 
-@pytest.mark.parametrize("shard_index,shard_count", [(0, 1), (1, 2)])
-def test_resume_continues_with_exactly_the_next_batch(corpus, shard_index, shard_count):
+# How 8 global rows can be spread over processes: one reader, 2 or 4 readers with contiguous rows, and an
+# interleaved device order (process 0 holds rows 0-1 and 4-5, as on large TPU slices).
+LAYOUTS = {
+  "1x8": [(0, 1, 2, 3, 4, 5, 6, 7)],
+  "2x4": [(0, 1, 2, 3), (4, 5, 6, 7)],
+  "4x2": [(0, 1), (2, 3), (4, 5), (6, 7)],
+  "interleaved": [(0, 1, 4, 5), (2, 3, 6, 7)],
+}
+
+
+def _global_batches(files, layout, steps, workers=0):
+  readers = [_iter(files, num_slots=8, slots=rows, worker_count=workers) for rows in LAYOUTS[layout]]
+  batches = []
+  for _ in range(steps):
+    full = {k: np.zeros((8, 64), np.int32) for k in BATCH_KEYS}
+    for rows, reader in zip(LAYOUTS[layout], readers):
+      part = next(reader)
+      for k in BATCH_KEYS:
+        full[k][list(rows)] = part[k]
+    batches.append(full)
+  return batches, readers
+
+
+@pytest.mark.parametrize("layout", ["2x4", "4x2", "interleaved"])
+def test_global_batches_do_not_depend_on_how_rows_are_spread(corpus, layout):
   files, _ = corpus
-  it = _iter(files, shard_index=shard_index, shard_count=shard_count)  # forever: crosses epochs
-  for _ in range(30):
+  expect, _ = _global_batches(files, "1x8", 12)
+  got, _ = _global_batches(files, layout, 12, workers=2 if layout == "2x4" else 0)
+  for step, (a, b) in enumerate(zip(expect, got)):
+    for k in BATCH_KEYS:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=f"step {step + 1} {k}")
+
+
+def test_state_saved_by_one_layout_resumes_in_another(corpus):
+  """The merged per-row states of 4 readers continue the stream in 1 reader, and vice versa (elastic resume)."""
+  files, _ = corpus
+  expect, _ = _global_batches(files, "1x8", 40)
+  _, readers = _global_batches(files, "4x2", 30)
+  merged = {"num_slots": 8, "slots": {}}
+  for reader in readers:
+    state = json.loads(json.dumps(reader.get_state()))  # small, JSON-able: indices only
+    assert len(json.dumps(state)) < 200
+    merged["slots"].update(state["slots"])
+  single = _iter(files, num_slots=8, slots=tuple(range(8)))
+  single.set_state(merged)
+  for step in range(30, 35):
+    batch = next(single)
+    for k in BATCH_KEYS:
+      np.testing.assert_array_equal(batch[k], expect[step][k], err_msg=f"step {step + 1} {k}")
+  interleaved = [_iter(files, num_slots=8, slots=rows) for rows in LAYOUTS["interleaved"]]
+  for reader in interleaved:
+    reader.set_state(single.get_state())
+  for step in range(35, 40):
+    for rows, reader in zip(LAYOUTS["interleaved"], interleaved):
+      part = next(reader)
+      np.testing.assert_array_equal(part["inputs"], expect[step]["inputs"][list(rows)], err_msg=f"step {step + 1}")
+
+
+def test_state_of_another_global_batch_size_is_refused(corpus):
+  files, _ = corpus
+  four = _iter(files, num_slots=4, slots=(0, 1, 2, 3))
+  next(four)
+  with pytest.raises(InputError, match="global batch of 4 rows, this run has 8"):
+    _iter(files, num_slots=8, slots=tuple(range(8))).set_state(four.get_state())
+  with pytest.raises(InputError, match=r"no state for batch rows \[2, 3\]"):
+    _iter(files, num_slots=4, slots=(0, 1, 2, 3)).set_state({"num_slots": 4, "slots": {"0": [1, 0], "1": [1, 0]}})
+
+
+@pytest.mark.parametrize("num_slots,slots", [(1, (0,)), (4, (3, 1))])
+def test_resume_continues_with_exactly_the_next_batch(corpus, num_slots, slots):
+  files, _ = corpus
+  it = _iter(files, num_slots=num_slots, slots=slots)  # forever: crosses epochs
+  for _ in range(60):
     next(it)
-  state = json.loads(json.dumps(it.get_state()))  # small, JSON-able: indices only
-  assert len(json.dumps(state)) < 200
+  state = json.loads(json.dumps(it.get_state()))
   expect = [next(it) for _ in range(8)]
-  fresh = _iter(files, shard_index=shard_index, shard_count=shard_count)
+  fresh = _iter(files, num_slots=num_slots, slots=slots)
   fresh.set_state(state)
   for a, b in zip(expect, [next(fresh) for _ in range(8)]):
     for k in BATCH_KEYS:
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_finite_epoch_pads_last_batch_then_stops(corpus):
+def test_finite_epoch_pads_exhausted_rows_then_stops(corpus):
   files, _ = corpus
-  rows = [b for b in _iter(files, num_epochs=1, batch_size=1, seq_len=128)]
+  rows = list(_iter(files, num_epochs=1, seq_len=128))
   n = len(rows)
   flat = np.concatenate([r["inputs_segmentation"][0] for r in rows]) > 0
   k = int(flat.sum())  # real tokens form a prefix: padding only at the very end
   assert n > 3 and 0 < k < flat.size and flat[:k].all()
-  batches = list(_iter(files, num_epochs=1, batch_size=n - 1, seq_len=128))
-  assert len(batches) == 2 and batches[1]["inputs"].shape == (n - 1, 128)
-  assert not batches[1]["inputs_segmentation"][1:].any()  # rows past the data: pure padding
-  for k in BATCH_KEYS:
-    np.testing.assert_array_equal(np.concatenate([b[k] for b in batches])[:n], np.concatenate([r[k] for r in rows]))
+  two = list(_iter(files, num_epochs=1, num_slots=2, slots=(0, 1), seq_len=128))
+  lengths = [sum(1 for b in two if b["inputs_segmentation"][row].any()) for row in (0, 1)]
+  assert len(two) == max(lengths) and min(lengths) < len(two)  # the shorter row pads until the longer ends
+  assert not two[-1]["inputs_segmentation"][lengths.index(min(lengths))].any()
+
+
+def test_fewer_records_than_global_batch_rows_is_clear(corpus):
+  files, _ = corpus
+  with pytest.raises(InputError, match="hold 150 records, fewer than the 151 rows of a global batch"):
+    _iter(files, num_slots=151, slots=(0,))
 
 
 def test_empty_glob_is_clear(corpus):
@@ -370,9 +440,8 @@ def test_shipped_assets_exist_and_load():
       os.path.join(CORPUS, "train-*.array_record"),
       tokenizer_path=TOKENIZER,
       seq_len=256,
-      batch_size=2,
-      shard_index=0,
-      shard_count=1,
+      num_slots=2,
+      slots=(0, 1),
       seed=0,
       add_bos=True,
       add_eos=True,

@@ -3,6 +3,9 @@
 import json
 import os
 import shutil
+import struct
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -11,6 +14,7 @@ from conftest import BASE_YML, first_devices, make_config
 
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint import manager as checkpointing
+from MaxLite.checkpoint.safetensors_io import SafetensorsReader
 from MaxLite.config import load_config
 from MaxLite.decode import generate
 from MaxLite.errors import InputError
@@ -197,3 +201,158 @@ def test_command_line(tmp_path):
   ):
     bad = run(*args)
     assert bad.returncode == 2 and fragment in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- broken safetensors files: one error line naming the file, never garbage weights ---------------------------
+
+A = np.arange(12, dtype=np.float32).reshape(3, 4)
+B = np.array([0.5, -1.5, 2.5, -3.5], np.float32)
+
+
+def _safetensors_file(path, header, data, header_length=None):
+  raw = json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw) if header_length is None else header_length) + raw + data)
+
+
+def _valid_parts():
+  """The header and data bytes of a valid file holding A then B (written by hand so each case below is one edit)."""
+  header = {
+    "__metadata__": {"format": "pt"},
+    "a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+    "b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]},
+  }
+  return header, A.tobytes() + B.tobytes()
+
+
+def _broken(case):
+  """(header, data, header_length) of a broken file; each one the old hand-written reader turned into garbage
+  (uninitialised or misplaced bytes) or a traceback."""
+  header, data = _valid_parts()
+  a, b = header["a"], header["b"]
+  if case == "truncated":
+    return header, data[:-10], None
+  if case == "header_length_past_end":
+    return header, data, 10**6
+  if case == "offsets_past_end":  # dtype, shape and byte length agree; the bytes are not in the file
+    return {**header, "b": {**b, "shape": [8], "data_offsets": [48, 80]}}, data, None
+  if case == "overlapping_offsets":  # b would read a's last 4 values
+    return {**header, "b": {**b, "data_offsets": [32, 48]}}, data, None
+  if case == "negative_offset":
+    return {**header, "b": {**b, "data_offsets": [-16, 0]}}, data, None
+  if case == "shape_disagrees_with_bytes":
+    return {**header, "a": {**a, "shape": [2, 4]}}, data, None
+  if case == "dtype_disagrees_with_bytes":
+    return {**header, "a": {**a, "dtype": "F64"}}, data, None
+  raise ValueError(case)
+
+
+BROKEN = [
+  "truncated",
+  "header_length_past_end",
+  "offsets_past_end",
+  "overlapping_offsets",
+  "negative_offset",
+  "shape_disagrees_with_bytes",
+  "dtype_disagrees_with_bytes",
+]
+
+
+# file:// goes through fsspec like gs://: MaxLite's own in-place URL reader (safe_open needs a local file).
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_safetensors_reader_reads_valid_files_exactly(tmp_path, where):
+  _safetensors_file(tmp_path / "model.safetensors", *_valid_parts())
+  reader = SafetensorsReader(str(tmp_path) if where == "local" else f"file://{tmp_path}")
+  assert reader.names() == ["a", "b"] and reader.shape("a") == (3, 4)
+  np.testing.assert_array_equal(reader.read("a"), A)
+  np.testing.assert_array_equal(reader.read("b"), B)
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_write_checkpoint_round_trips_bfloat16_and_shards(tmp_path, where):
+  import ml_dtypes
+
+  from MaxLite.checkpoint.safetensors_io import write_checkpoint
+
+  rng = np.random.default_rng(0)
+  tensors = {f"t{i}": rng.standard_normal((i + 1, 5)).astype(ml_dtypes.bfloat16) for i in range(4)}
+  tensors["f"] = rng.standard_normal(7).astype(np.float32)
+  directory = str(tmp_path) if where == "local" else f"file://{tmp_path}"
+  files = write_checkpoint(directory, [(n, t.shape, t.dtype, lambda t=t: t) for n, t in tensors.items()], 40)
+  assert "model.safetensors.index.json" in files and len(files) > 2  # 40-byte shards: several files
+  reader = SafetensorsReader(directory)
+  assert reader.names() == sorted(tensors)
+  for name, tensor in tensors.items():
+    got = reader.read(name)
+    assert got.dtype == tensor.dtype and got.tobytes() == tensor.tobytes(), name
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+@pytest.mark.parametrize("case", BROKEN)
+def test_broken_safetensors_is_one_line_naming_the_file(tmp_path, where, case):
+  path = tmp_path / "model.safetensors"
+  _safetensors_file(path, *_broken(case))
+  directory = str(tmp_path) if where == "local" else f"file://{tmp_path}"
+  with pytest.raises(InputError, match=f"^{'file://' if where == 'url' else ''}{path}: not a valid safetensors file"):
+    reader = SafetensorsReader(directory)
+    print({name: reader.read(name) for name in reader.names()})  # what the old reader returned
+  with pytest.raises(InputError) as error:
+    SafetensorsReader(directory)
+  assert "\n" not in str(error.value)
+
+
+def test_url_reader_checks_every_read_length(tmp_path):
+  """A file cut after its header was checked: the read fails instead of returning a partly filled tensor."""
+  path = tmp_path / "model.safetensors"
+  _safetensors_file(path, *_valid_parts())
+  reader = SafetensorsReader(f"file://{tmp_path}")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 8)
+  np.testing.assert_array_equal(reader.read("a"), A)
+  with pytest.raises(InputError, match=r"model.safetensors: not a valid safetensors file \(it ends 8 bytes short"):
+    reader.read("b")
+
+
+def test_bad_shard_index_and_duplicate_tensors_are_one_line(tmp_path):
+  header, data = _valid_parts()
+  _safetensors_file(tmp_path / "one.safetensors", header, data)
+  _safetensors_file(tmp_path / "two.safetensors", header, data)
+  index = tmp_path / "model.safetensors.index.json"
+  index.write_text(json.dumps({"weight_map": {"a": "one.safetensors", "b": "two.safetensors"}}))
+  with pytest.raises(InputError, match="tensor 'a' is in both .*one.safetensors and .*two.safetensors"):
+    SafetensorsReader(str(tmp_path))
+  for content, fragment in (
+    ("{not json", "not a safetensors index"),
+    (json.dumps({"weight_map": {"a": "../one.safetensors"}}), "not a file in the same directory"),
+  ):
+    index.write_text(content)
+    with pytest.raises(InputError, match=fragment):
+      SafetensorsReader(str(tmp_path))
+
+
+@pytest.mark.parametrize("case", ["truncated", "offsets_past_end"])
+def test_command_line_refuses_broken_safetensors(tmp_path, case):
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  config = dict(
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4,
+    intermediate_size=8,
+    num_attention_heads=1,
+    num_hidden_layers=1,
+    vocab_size=3,
+  )
+  (hf_dir / "config.json").write_text(json.dumps(config))
+  _safetensors_file(hf_dir / "model.safetensors", *_broken(case))
+  script = os.path.join(os.path.dirname(BASE_YML), "..", "MaxLite", "convert_hf.py")
+  out = tmp_path / "ml"
+  done = subprocess.run(
+    [sys.executable, script, "to_maxlite", f"--hf_path={hf_dir}", f"--output_path={out}"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.startswith(f"error: {hf_dir / 'model.safetensors'}: not a valid safetensors file (")
+  assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+  assert not out.exists()

@@ -10,17 +10,25 @@ for the latest step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from MaxLite import paths
 from MaxLite.checkpoint import CONFIG, CONFIG_FILE, DATA_ITER, STATE
 from MaxLite.config import Config
-from MaxLite.errors import CheckpointError, first_line
+from MaxLite.errors import CheckpointError, InputError, first_line
+
+
+class UnreadableCheckpointError(CheckpointError):
+  """A step's files cannot be read (corrupt, or cut short outside orbax's atomic save): an earlier step may
+  still be good. A step that reads but does not fit the config is a plain CheckpointError."""
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -33,6 +41,8 @@ class DataIteratorHandler(ocp.CheckpointHandler):
 
   def restore(self, directory: epath.Path, args: DataIteratorRestore | None = None) -> dict[int, Any]:
     records = [json.loads(p.read_text()) for p in sorted(directory.glob("process_*-of-*.json"))]
+    if not records:  # every save writes at least process 0's file: the step lost its files
+      raise FileNotFoundError(f"no process_*-of-*.json in {directory}")
     return {r["process_index"]: r for r in records}
 
   def metadata(self, directory: epath.Path) -> None:
@@ -102,34 +112,122 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: A
   manager.save(step, args=args, force=True)
 
 
+class Saves:
+  """Starts saves, and turns a failed one into a CheckpointError naming its step as soon as it is known.
+
+  Orbax raises a failed background save only at the next save or at close, with a traceback; `check`
+  (called every step, it never blocks) reports it at the first step after the failure instead."""
+
+  def __init__(self, manager: ocp.CheckpointManager):
+    self.manager = manager
+    self._unconfirmed: int | None = None  # the last step saved, until its save is known to have succeeded
+
+  def save(self, step: int, state: Any, data_iterator: Any, config: Config) -> None:
+    self.wait()  # a failure of the previous save is reported as that step's, not this one's
+    if step in self.manager.all_steps():
+      # Only a step that resuming skipped as unreadable can be here; its files are kept for inspection.
+      logging.warning(
+        "not saving step %d: %s holds an unreadable checkpoint of that step, kept as it is",
+        step,
+        paths.join(str(self.manager.directory), str(step)),
+      )
+      return
+    self._unconfirmed = step
+    try:
+      save(self.manager, step, state, data_iterator, config)
+    except Exception as e:  # a synchronous save, or the copy off the devices, failed
+      self._unconfirmed = None
+      raise self._failed(step, e) from e
+
+  def check(self) -> None:
+    """Raises if the last background save has finished and failed; returns at once otherwise."""
+    if self._unconfirmed is not None and not self.manager.is_saving_in_progress():
+      self.wait()
+
+  def wait(self) -> None:
+    """Waits for the last save to finish; raises if it failed."""
+    step, self._unconfirmed = self._unconfirmed, None
+    if step is None:
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._failed(step, e) from e
+
+  def close(self, raise_errors: bool) -> None:
+    """Waits for the last save and stops orbax's threads. With `raise_errors` false (the run is already
+    stopping with another error, which must stay the one reported) a failed save is logged instead."""
+    try:
+      self.wait()
+    except CheckpointError as e:
+      if raise_errors:
+        raise
+      logging.error("%s", e)
+    finally:
+      self.manager.close()
+
+  def _failed(self, step: int, error: BaseException) -> CheckpointError:
+    where = paths.join(str(self.manager.directory), str(step))
+    cause = first_line(error, with_type=True, limit=1000)  # storage errors name the file first, the reason last
+    return CheckpointError(f"saving checkpoint step {step} to {where} failed ({cause})")
+
+
+def restore_newest(
+  manager: ocp.CheckpointManager, target: Any, data_iterator: Any, check: Callable[[str], None]
+) -> tuple[Any, int] | None:
+  """(state, step) of the newest step that can be read (see `restore`); None when there is no step.
+  `check(step_dir)` runs first on each step tried and raises CheckpointError if it may not be resumed.
+
+  A step whose files cannot be read is skipped with a warning and left on disk as it is, so a corrupt
+  newest step costs the steps since the one before, not every restart. A step that does not fit this
+  config (another model) is still an error: an earlier step of the same run would not fit either."""
+  skipped: list[str] = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    step_dir = paths.join(str(manager.directory), str(step))
+    try:
+      _read(step_dir, functools.partial(check, step_dir))  # its config file may be what is corrupt
+      return restore(manager, step, target, data_iterator), step
+    except UnreadableCheckpointError as e:
+      logging.warning("skipping checkpoint step %d, resuming from an earlier one: %s", step, e)
+      skipped.append(f"step {step}: {e}")
+  if skipped:
+    raise CheckpointError(
+      f"no checkpoint in {manager.directory} could be read ({'; '.join(skipped)}); move the step directories "
+      "aside to start over, or set load_full_state_path to a good step of another run"
+    )
+  return None
+
+
 def restore(manager: ocp.CheckpointManager, step: int, target: Any, data_iterator: Any) -> Any:
   """The state of `step` placed as `target` says (shapes, dtypes, current-mesh shardings); also
   moves `data_iterator` to where that step left it."""
   step_dir = paths.join(str(manager.directory), str(step))
-  hint = "; move that step directory aside to resume from an earlier one"
-  check_compatible(paths.join(step_dir, STATE), target, hint)
+  check_compatible(paths.join(step_dir, STATE), target)
   args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), DATA_ITER: DataIteratorRestore()})
-  restored = _read(step_dir, lambda: manager.restore(step, args=args), hint)
-  data_iterator.set_state(select_iterator_state(restored[DATA_ITER], step_dir, data_iterator))
+  restored = _read(step_dir, lambda: manager.restore(step, args=args))
+  try:
+    data_iterator.set_state(select_iterator_state(restored[DATA_ITER], step_dir))
+  except InputError as e:
+    raise CheckpointError(
+      f"checkpoint {step_dir}: {e}; resume with the settings it was saved with, or start a new run_name with "
+      f"load_full_state_path={step_dir} (keeps model and optimizer, starts a new data stream)"
+    ) from None
   return restored[STATE]
 
 
-def select_iterator_state(saved: dict[int, Any], step_dir: str, data_iterator: Any) -> Any:
-  """This process's saved iterator state; refuses a changed process count unless the input order
-  does not depend on it (e.g. synthetic data), so the global data order never silently changes."""
+def select_iterator_state(saved: dict[int, Any], step_dir: str) -> Any:
+  """The data position to continue from, whatever the topology that saved it: every process saved the
+  state of the batch rows it held, and their union names every row (synthetic data: a step count, the
+  same on every process)."""
   if not saved:
     raise CheckpointError(f"checkpoint {step_dir} has no data iterator state")
-  saved_count = next(iter(saved.values()))["process_count"]
-  index, count = jax.process_index(), jax.process_count()
-  if saved_count == count and index in saved:
-    return saved[index]["state"]
-  if getattr(data_iterator, "process_invariant", False):
-    return saved[min(saved)]["state"]
-  raise CheckpointError(
-    f"checkpoint {step_dir} was written by {saved_count} data-loading processes but this run has {count}; "
-    f"the data order would change. Resume with {saved_count} processes, or start a new run_name with "
-    f"load_full_state_path={step_dir} (keeps model and optimizer, restarts the data)"
-  )
+  states = [saved[p]["state"] for p in sorted(saved)]
+  if "slots" not in states[0]:
+    return states[0]
+  merged = {"num_slots": states[0]["num_slots"], "slots": {}}
+  for state in states:
+    merged["slots"].update(state["slots"])
+  return merged
 
 
 def _key_name(key: Any) -> str:
@@ -143,15 +241,15 @@ def path_name(path: tuple[Any, ...]) -> str:
   return ".".join(_key_name(k) for k in path)
 
 
-def saved_arrays(state_dir: str, hint: str = "") -> dict[str, Any]:
+def saved_arrays(state_dir: str) -> dict[str, Any]:
   """{dotted name: array metadata (shape, dtype)} of a saved state item, without reading arrays."""
-  tree = _read(state_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree, hint)
+  tree = _read(state_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree)
   return {path_name(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_compatible(state_dir: str, target: Any, hint: str = "") -> None:
+def check_compatible(state_dir: str, target: Any) -> None:
   """Names the first parameter whose saved shape differs from (or is missing for) this config."""
-  saved = saved_arrays(state_dir, hint)
+  saved = saved_arrays(state_dir)
   for path, want in jax.tree_util.tree_flatten_with_path(target)[0]:
     name = path_name(path)
     if name not in saved:
@@ -232,10 +330,10 @@ def sharded_target(abstract: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _read(where: str, fn: Any, hint: str = "") -> Any:
+def _read(where: str, fn: Any) -> Any:
   try:
     return fn()
   except CheckpointError:
     raise
   except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-    raise CheckpointError(f"checkpoint {where} could not be read ({first_line(e, with_type=True)}){hint}") from e
+    raise UnreadableCheckpointError(f"checkpoint {where} could not be read ({first_line(e, with_type=True)})") from e

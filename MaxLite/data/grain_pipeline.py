@@ -1,27 +1,29 @@
-"""Grain input pipeline: ArrayRecord documents -> this process's shard -> shuffle -> tokenize -> pack -> batch.
+"""Grain input pipeline: ArrayRecord documents -> one packed stream per global batch row -> this process's rows.
 
-    source[shard_index::shard_count] -> shuffle(seed) -> repeat(num_epochs) -> map(tokenize)
-      -> to_iter_dataset (thread prefetch) -> pack (packing.StreamingPacker) -> batch -> [mp_prefetch]
+    records r with r % num_slots == slot -> shuffle(seed, slot) -> repeat -> tokenize   (a grain MapDataset)
+      -> pack (packing.StreamingPacker) -> one row per step for that slot
 
-Everything up to tokenization is a grain MapDataset, i.e. a pure function of the record index, so
-the iterator state is a few integers: the next document index of the parent, plus for the packer
-the index of the document it is in the middle of and how many of its tokens it already emitted.
-Restoring re-reads and re-tokenizes that one document; no data is ever stored in the state.
+The global batch has `num_slots` rows (the global batch size). Row slot s owns the records whose index
+(in the concatenated files) is s modulo num_slots, reads them in its own shuffled order (a new permutation
+each epoch) and packs them into its own rows. Batch k is row k of every slot. So the sequence of global
+batches depends only on the files, tokenizer, seed, sequence length, global batch size and packing, never on
+how many processes read it, the mesh, or the device order: a process builds exactly the slots its devices
+hold, and nobody reads another slot's records.
 
-Sharding is by record: shard i of n reads records r with r % n == i of the concatenated files, so
-the shards partition every epoch. Each shard shuffles its own records (same seed; a new permutation
-each epoch) and packs them independently, so no process ever reads another process's records.
+Everything up to tokenization is random access (a pure function of the index), so a slot's state is two
+integers: the index of the document it is in the middle of (or the next one) and how many of its pairs were
+already emitted. The iterator's state is {slot: [index, offset]} for its slots plus num_slots; states of
+several processes merge into one dict, and any other topology restores its own slots from it.
 """
 
 from __future__ import annotations
 
 import bisect
-import copy
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grain
 import numpy as np
-from absl import flags
 from array_record.python.array_record_module import ArrayRecordReader
 
 from MaxLite.data import BATCH_KEYS
@@ -29,11 +31,6 @@ from MaxLite.data.packing import StreamingPacker, empty_row
 from MaxLite.data.tokenizer import Tokenizer, load_tokenizer
 from MaxLite.errors import ConfigError, InputError, first_line
 from MaxLite.paths import expand_globs
-
-# Documents tokenized ahead by grain's reader threads. 2 threads measured fastest on 2 cores
-# (16, grain's default, is ~25% slower); each buffered element holds one tokenized document.
-_READ_THREADS = 2
-_PREFETCH_DOCUMENTS = 64
 
 
 def resolve_files(files: str) -> list[tuple[str, int]]:
@@ -85,68 +82,89 @@ class _Tokenize(grain.transforms.Map):
     return np.asarray(ids, dtype=np.int32)
 
 
-class _PackDatasetIterator(grain.DatasetIterator):
-  """Rows from a document iterator; state = parent state at the pending document + its offset."""
+def _slot_seed(seed: int, slot: int) -> int:
+  """Each slot shuffles with its own seed, so equal-sized slots do not share one permutation."""
+  return int(np.random.SeedSequence([seed, slot]).generate_state(1)[0])
 
-  def __init__(self, parent: grain.DatasetIterator, seq_len: int):
-    super().__init__(parent)
+
+class _SlotStream:
+  """The packed rows of one batch slot; state = (document index, pairs of it already emitted)."""
+
+  def __init__(self, documents: grain.MapDataset, seq_len: int, limit: int | None):
+    self._documents, self._limit = documents, limit
     self._packer = StreamingPacker(seq_len)
-    self._pending_state: dict[str, Any] | None = None
+    self._next = 0  # index of the next document to pull
+    self._pending = 0  # index of the document the packer holds, if any
 
   def _pull(self) -> np.ndarray | None:
-    state = self._parent.get_state()  # position *before* the document, to re-read it on restore
-    try:
-      doc = next(self._parent)
-    except StopIteration:
+    if self._limit is not None and self._next >= self._limit:
       return None
-    self._pending_state = state
-    return doc
+    self._pending = self._next
+    self._next += 1
+    return self._documents[self._pending]
 
-  def __next__(self) -> dict[str, np.ndarray]:
-    row = self._packer.next_row(self._pull)
-    if row is None:
-      raise StopIteration
-    return row
+  def next_row(self) -> dict[str, np.ndarray] | None:
+    return self._packer.next_row(self._pull)
 
-  def get_state(self) -> dict[str, Any]:
+  def get_state(self) -> list[int]:
     if self._packer.has_pending:
-      return {"parent": copy.deepcopy(self._pending_state), "offset": self._packer.offset}
-    return {"parent": self._parent.get_state(), "offset": 0}
+      return [self._pending, self._packer.offset]
+    return [self._next, 0]
 
-  def set_state(self, state: dict[str, Any]) -> None:
-    self._parent.set_state(state["parent"])
+  def set_state(self, state: list[int]) -> None:
+    index, offset = (int(v) for v in state)
     self._packer.reset()
-    self._pending_state = None
-    if state["offset"]:
+    self._next = index
+    if offset:
       doc = self._pull()
       if doc is None:
         raise InputError("data iterator state points past the end of the data files")
-      self._packer.restore(doc, int(state["offset"]))
+      self._packer.restore(doc, offset)
 
 
-class _PackIterDataset(grain.IterDataset):
-  """Concat-then-split packing of token arrays into rows (see MaxLite/data/packing.py)."""
+class SlotBatchIterator:
+  """Batches of this process's rows: row i is the next row of slot `slots[i]` (see module docstring)."""
 
-  def __init__(self, parent: grain.IterDataset, seq_len: int):
-    super().__init__(parent)
-    self._seq_len = seq_len
+  def __init__(self, streams: dict[int, _SlotStream], slots: list[int], num_slots: int, seq_len: int, workers: int):
+    self._streams, self._slots, self._num_slots, self._seq_len = streams, slots, num_slots, seq_len
+    self._unique = sorted(streams)
+    # Slots are independent, so threads may fill them at once without changing any row.
+    self._pool = ThreadPoolExecutor(workers) if workers > 0 else None
 
-  def __iter__(self) -> _PackDatasetIterator:
-    return _PackDatasetIterator(self._parent.__iter__(), self._seq_len)
+  def __iter__(self) -> SlotBatchIterator:
+    return self
 
-  def __str__(self) -> str:
-    return f"PackIterDataset(seq_len={self._seq_len})"
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._pool is None:
+      rows = {slot: self._streams[slot].next_row() for slot in self._unique}
+    else:
+      rows = dict(zip(self._unique, self._pool.map(lambda slot: self._streams[slot].next_row(), self._unique)))
+    if all(row is None for row in rows.values()):
+      raise StopIteration
+    ordered = [rows[slot] if rows[slot] is not None else empty_row(self._seq_len) for slot in self._slots]
+    return {k: np.stack([r[k] for r in ordered]).astype(np.int32, copy=False) for k in BATCH_KEYS}
 
+  def get_state(self) -> dict[str, Any]:
+    return {"num_slots": self._num_slots, "slots": {str(s): self._streams[s].get_state() for s in self._unique}}
 
-class _StackRows:
-  """grain batch_fn: stacks rows; a short last batch (finite epochs) is padded with empty rows."""
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Takes this process's slots from a state that holds them (a merge of any processes' states)."""
+    if "slots" not in state:
+      raise InputError("the saved data position is from an older MaxLite data format; start a new data stream")
+    if int(state["num_slots"]) != self._num_slots:
+      raise InputError(
+        f"the saved data position is for a global batch of {state['num_slots']} rows, this run has "
+        f"{self._num_slots}; the data stream cannot continue exactly"
+      )
+    missing = [s for s in self._unique if str(s) not in state["slots"]]
+    if missing:
+      raise InputError(f"the saved data position has no state for batch rows {missing[:8]}")
+    for slot in self._unique:
+      self._streams[slot].set_state(state["slots"][str(slot)])
 
-  def __init__(self, batch_size: int, seq_len: int):
-    self._batch_size, self._seq_len = batch_size, seq_len
-
-  def __call__(self, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    rows = list(rows) + [empty_row(self._seq_len) for _ in range(self._batch_size - len(rows))]
-    return {k: np.stack([r[k] for r in rows]).astype(np.int32, copy=False) for k in BATCH_KEYS}
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=False)
 
 
 def make_grain_iterator(
@@ -154,44 +172,45 @@ def make_grain_iterator(
   *,
   tokenizer_path: str,
   seq_len: int,
-  batch_size: int,
-  shard_index: int,
-  shard_count: int,
+  num_slots: int,
+  slots: list[int] | tuple[int, ...],
   seed: int,
   add_bos: bool,
   add_eos: bool,
   shuffle: bool = True,
   num_epochs: int | None = None,
   worker_count: int = 0,
-) -> grain.DatasetIterator:
-  """Iterator of dicts of int32 arrays [batch_size, seq_len] (keys: data.BATCH_KEYS) for this shard.
+) -> SlotBatchIterator:
+  """Iterator of dicts of int32 arrays [len(slots), seq_len] (keys: data.BATCH_KEYS): rows `slots` of each
+  global batch of `num_slots` rows.
 
-  `files`: glob or comma-separated globs of ArrayRecord files of UTF-8 documents. num_epochs=None
-  repeats forever; with a finite count the last batch is padded with segmentation-0 rows and then
-  StopIteration. get_state()/set_state() restore exactly the next batch in a fresh iterator.
+  `files`: glob or comma-separated globs of ArrayRecord files of UTF-8 documents. num_epochs=None repeats
+  forever; with a finite count an exhausted slot yields segmentation-0 rows until every slot is exhausted,
+  then StopIteration. get_state()/set_state() restore exactly the next batch in a fresh iterator.
+  `worker_count` threads fill the slots (the rows do not depend on it).
   """
-  if seq_len < 1 or batch_size < 1:
-    raise ConfigError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len} batch_size={batch_size}")
-  if not 0 <= shard_index < shard_count:
-    raise ConfigError(f"shard_index must be in [0, shard_count={shard_count}), got {shard_index}")
+  if seq_len < 1 or num_slots < 1 or not slots:
+    raise ConfigError(f"seq_len, num_slots and slots must be positive, got {seq_len}, {num_slots}, {list(slots)}")
+  if not all(0 <= s < num_slots for s in slots):
+    raise ConfigError(f"batch rows must be in [0, {num_slots}), got {list(slots)}")
   if num_epochs is not None and num_epochs < 1:
     raise ConfigError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}")
   if worker_count < 0:
     raise ConfigError(f"grain_worker_count must be >= 0, got {worker_count}")
   tokenizer = load_tokenizer(tokenizer_path)
   source = _CheckedSource(resolve_files(files))
-  if len(source) < shard_count:
-    raise InputError(f"data files {files!r} hold {len(source)} records, fewer than the {shard_count} data shards")
-
-  ds = grain.MapDataset.source(source)[shard_index::shard_count]
-  if shuffle:
-    ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs).map(_Tokenize(tokenizer, add_bos, add_eos))
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_PREFETCH_DOCUMENTS))
-  it = _PackIterDataset(it, seq_len).batch(batch_size, batch_fn=_StackRows(batch_size, seq_len))
-  if worker_count > 0:
-    # grain's worker processes read absl flags; a non-absl program (ours) never parses them.
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
-  return iter(it)
+  if len(source) < num_slots:
+    raise InputError(
+      f"data files {files!r} hold {len(source)} records, fewer than the {num_slots} rows of a global batch "
+      "(each row reads its own records)"
+    )
+  tokenize = _Tokenize(tokenizer, add_bos, add_eos)
+  streams = {}
+  for slot in sorted(set(slots)):
+    docs = grain.MapDataset.source(source)[slot::num_slots]
+    per_epoch = len(docs)
+    if shuffle:
+      docs = docs.shuffle(seed=_slot_seed(seed, slot))
+    docs = docs.repeat(num_epochs).map(tokenize)
+    streams[slot] = _SlotStream(docs, seq_len, None if num_epochs is None else per_epoch * num_epochs)
+  return SlotBatchIterator(streams, list(slots), num_slots, seq_len, worker_count)

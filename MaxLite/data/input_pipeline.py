@@ -1,7 +1,8 @@
 """This process's rows of each batch -> global jax arrays sharded on the batch mesh axes.
 
-Every input source (synthetic, grain) produces only the rows whose devices live in this process;
-`jax.make_array_from_process_local_data` stitches them into one global array per key.
+Every input source (synthetic, grain) produces only the rows whose devices live in this process, and each
+row of a global batch is a function of the data settings and the step alone (never of the process count
+or mesh); `jax.make_array_from_process_local_data` stitches them into one global array per key.
 """
 
 from __future__ import annotations
@@ -50,22 +51,11 @@ def process_rows(sharding: NamedSharding, global_batch: int) -> tuple[int, ...]:
   return _rows_by_process(sharding, global_batch)[jax.process_index()]
 
 
-def data_shard(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
-  """(index, count) of this process's shard of the data: processes holding the same rows (replicas
-  along non-batch mesh axes) read the same shard; distinct row sets are numbered by their first row."""
-  by_process = _rows_by_process(sharding, global_batch)
-  row_sets = sorted(set(by_process.values()))
-  return row_sets.index(by_process[jax.process_index()]), len(row_sets)
-
-
 class GlobalBatchIterator:
   """Wraps a per-process numpy iterator; yields dicts of global jax.Arrays."""
 
-  def __init__(self, local: Any, sharding: NamedSharding, global_shape: tuple[int, int], process_invariant: bool):
+  def __init__(self, local: Any, sharding: NamedSharding, global_shape: tuple[int, int]):
     self._local, self._sharding, self._global_shape = local, sharding, global_shape
-    # True when the state means the same on every process (the global batch is a function of the
-    # step), so a checkpoint may be resumed with a different number of processes.
-    self.process_invariant = process_invariant
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
@@ -103,14 +93,12 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
   from MaxLite.data.grain_pipeline import make_grain_iterator
 
   files = config.grain_train_files if split == "train" else config.grain_eval_files
-  shard_index, shard_count = data_shard(sharding, global_batch)
   return make_grain_iterator(
     resolve_list(files),
     tokenizer_path=resolve_list(config.tokenizer_path),
     seq_len=config.max_target_length,
-    batch_size=len(rows),
-    shard_index=shard_index,
-    shard_count=shard_count,
+    num_slots=global_batch,
+    slots=rows,
     seed=config.data_shuffle_seed,
     add_bos=config.add_bos,
     add_eos=config.add_eos,
@@ -125,6 +113,4 @@ def make_iterator(config: Config, mesh: Mesh, split: str = "train") -> GlobalBat
   sharding = batch_sharding(mesh, config)
   global_batch = config.global_batch_size_to_train_on
   local = _local_iterator(config, split, sharding, global_batch)
-  return GlobalBatchIterator(
-    local, sharding, (global_batch, config.max_target_length), process_invariant=config.dataset_type == "synthetic"
-  )
+  return GlobalBatchIterator(local, sharding, (global_batch, config.max_target_length))

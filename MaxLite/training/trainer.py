@@ -1,7 +1,9 @@
 """The training loop: wires config -> mesh -> state -> input -> jitted step -> metrics.
 
 The host never waits on the device for the step it just dispatched: metrics of step N are
-fetched after step N+1 has been queued, so logging costs no device idle time.
+fetched after step N+1 has been queued, so logging costs no device idle time. A save step is the
+exception: before step N is saved its metrics are read and its new state is checked for NaN/Inf, so
+a broken state is never checkpointed (every restart would reload it).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import sharding as sharding_lib
 from MaxLite.checkpoint import manager as checkpointing
+from MaxLite.checkpoint.resume_checks import check_resume
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.errors import MaxLiteError
@@ -58,6 +62,12 @@ class _Profiler:
       self._active = False
 
 
+def _all_finite(tree: Any) -> jax.Array:
+  """One boolean: no NaN/Inf in any floating-point leaf."""
+  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves))
+
+
 def evaluate(config: Config, mesh, eval_fn, params) -> float:
   totals = {"xent_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
   batches = input_pipeline.make_iterator(config, mesh, "eval")
@@ -84,11 +94,13 @@ def initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[An
   load_full_state_path, else a fresh init (with load_parameters_path's params if set)."""
   abstract, _, shardings = abstract_state(model, tx, config, mesh)
   target = checkpointing.sharded_target(abstract, shardings)
-  latest = manager.latest_step() if manager is not None else None
-  if latest is not None:
-    state = checkpointing.restore(manager, latest, target, batches)
-    logging.info("resumed from checkpoint at step %d in %s", latest, config.checkpoint_dir)
-    return state, shardings, latest
+  resumed = None
+  if manager is not None:
+    resumed = checkpointing.restore_newest(manager, target, batches, lambda step_dir: check_resume(step_dir, config))
+  if resumed is not None:
+    state, step = resumed
+    logging.info("resumed from checkpoint at step %d in %s", step, config.checkpoint_dir)
+    return state, shardings, step
   if config.load_full_state_path:
     state = checkpointing.load_full_state(config.load_full_state_path, target)
     logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
@@ -126,6 +138,8 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   )
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
+  # Run on save steps only: it waits for the step, which the loop otherwise never does.
+  state_is_finite = jax.jit(lambda s: _all_finite((s.params, s.opt_state)), out_shardings=replicated)
   eval_fn = None
   if config.eval_interval > 0 and (config.dataset_type == "synthetic" or config.grain_eval_files):
     eval_fn = jit_eval_step(config, Transformer(config).apply, state_shardings.params, batch_sharding, replicated)
@@ -169,19 +183,33 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       writer.write(row)
     rows.append(row)
 
+  def check_state(step: int) -> None:
+    if not bool(jax.device_get(state_is_finite(state))):
+      row = rows[-1]
+      raise NonFiniteLossError(
+        f"step {step}: its update left NaN/Inf in the parameters or optimizer state (loss {row['loss']}, "
+        f"grad_norm {row['grad_norm']}); stopping without saving it (try a lower learning_rate or "
+        "gradient_clipping_threshold)"
+      )
+
   preemption = PreemptionWatcher() if manager is not None else None
+  saves = checkpointing.Saves(manager) if manager is not None else None
+  completed = False
   try:
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
       state, metrics = step_fn(state, next(batches))
+      if saves is not None:
+        saves.check()  # a background save that failed stops the run now, naming its step
       if pending is not None:
         finish(*pending)
       pending = (step, metrics)
       preempted = preemption is not None and preemption.reached(step)
-      if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps or preempted):
+      if saves is not None and (step % config.checkpoint_period == 0 or step == config.steps or preempted):
         finish(*pending)  # the saved step's metrics row goes out with it (a resume starts after it)
         pending = None
-        checkpointing.save(manager, step, state, batches, config)
+        check_state(step)
+        saves.save(step, state, batches, config)
         writer.flush()
       if preempted:
         logging.info("preempted: saved a checkpoint at step %d, stopping", step)
@@ -197,13 +225,14 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
         last_time = time.perf_counter()
     if pending is not None:
       finish(*pending)
-    if manager is not None:
-      manager.wait_until_finished()
+    if saves is not None:
+      saves.wait()
+    completed = True
   finally:
     if preemption is not None:
       preemption.close()
-    if manager is not None:
-      manager.close()
+    if saves is not None:
+      saves.close(raise_errors=completed)
     profiler.stop()
     writer.close()
     batches.close()

@@ -1,0 +1,48 @@
+"""What a run may not change when it resumes from its own checkpoint.
+
+An exact resume continues the same model on the same data stream. The stream is a function of the data
+files, tokenizer, seed, sequence length, global batch size and packing settings (MaxLite/data/grain_pipeline.py),
+and the weights only fit the same model shape; the mesh, the number of processes, `steps` and everything
+else may change. A difference is named, never absorbed: silently continuing would skip or repeat data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from MaxLite import paths
+from MaxLite.checkpoint import saved_config_path
+from MaxLite.config import MODEL_KEYS, Config
+from MaxLite.errors import CheckpointError
+
+# Keys that define the data stream, for any dataset_type.
+STREAM_KEYS = ("dataset_type", "data_shuffle_seed", "max_target_length", "global_batch_size_to_train_on")
+# Keys that define the stream of real data only (synthetic data ignores them).
+FILE_STREAM_KEYS = ("grain_train_files", "tokenizer_path", "add_bos", "add_eos")
+
+
+def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """`key saved -> current` for each stream or model key that differs (keys the saved config lacks are skipped)."""
+  keys = list(STREAM_KEYS) + list(MODEL_KEYS)
+  if current.get("dataset_type") != "synthetic" or saved.get("dataset_type") != "synthetic":
+    keys += FILE_STREAM_KEYS
+  return [
+    f"{key} {saved[key]!r} -> {current.get(key)!r}" for key in keys if key in saved and saved[key] != current.get(key)
+  ]
+
+
+def check_resume(step_dir: str, config: Config) -> None:
+  """CheckpointError naming every difference between the step's saved config and this one."""
+  path = saved_config_path(step_dir)
+  if not paths.isfile(path):
+    return  # saved before configs were stored: nothing to compare
+  saved = json.loads(paths.read_text(path))
+  current = json.loads(json.dumps(config.to_dict(), default=str))  # tuples as lists, as saved
+  differences = resume_differences(saved, current)
+  if differences:
+    raise CheckpointError(
+      f"checkpoint {step_dir} cannot be resumed exactly: {'; '.join(differences)}. Go back to the saved values, "
+      f"or start a new run_name with load_full_state_path={step_dir} (same weights and optimizer, a new data stream)"
+    )

@@ -1,0 +1,253 @@
+"""One writer per run directory: `<run_dir>/run.lock` names the run using it (pid, host, start time).
+
+Two runs on one run directory would interleave their metrics rows and checkpoints, and each would
+resume from the other's steps. So process 0 of a job (it alone writes metrics and finalizes
+checkpoints; every process joins the same run) takes the lock before training starts and releases it
+when the run ends: normally, with an error, or on SIGTERM. A second run on the same directory stops
+with one line naming the owner.
+
+Local (or mounted shared) directories: the lock is an flock(2) held on the file for the whole run, so
+the kernel drops it when the owner dies, however it dies. A lock file with no holder is what a killed
+run left behind; the next run takes it over with a warning naming that run. (Linux NFS forwards flock
+to the server, so runs on different hosts see each other's lock there too.)
+
+gs:// has no locks, and no host can ask whether a process on another host still lives. There the lock
+object is created only if absent (an upload with a does-not-exist precondition, so of two starts at
+once one wins) and its owner rewrites its `heartbeat` time every HEARTBEAT_S seconds. A lock is stale,
+and is replaced with a warning, when its owner ran on this host and that pid is gone, or when its
+heartbeat is older than STALE_AFTER_S: a run killed on another host keeps its directory locked that
+long (delete the lock object to start sooner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from absl import logging
+
+from MaxLite import paths
+from MaxLite.config import Config
+from MaxLite.errors import ConfigError, InputError, first_line
+
+LOCK_FILE = "run.lock"
+HEARTBEAT_S = 60.0
+STALE_AFTER_S = 600.0
+
+
+def lock_path(config: Config) -> str:
+  return paths.join(config.run_dir, LOCK_FILE)
+
+
+def _record() -> dict[str, Any]:
+  return {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    "heartbeat": time.time(),
+    "token": uuid.uuid4().hex,  # tells this run's lock from a later one with a reused pid
+  }
+
+
+def _parse(text: str) -> dict[str, Any]:
+  try:
+    record = json.loads(text)
+  except ValueError:
+    return {}
+  return record if isinstance(record, dict) else {}
+
+
+def _owner(record: dict[str, Any]) -> str:
+  return (
+    f"pid {record.get('pid', '?')} on host {record.get('host', '?')} (started {record.get('started', '?')})"
+    if record
+    else "a run whose lock file is unreadable"
+  )
+
+
+def _pid_alive(pid: Any) -> bool:
+  if not isinstance(pid, int) or pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # alive, under another user
+    return True
+  return True
+
+
+def _unwritable(config: Config, path: str, error: BaseException) -> InputError:
+  return InputError(
+    f"base_output_directory={config.base_output_directory}: cannot write the run directory {config.run_dir} "
+    f"({type(error).__name__}: {first_line(error)}; {path})"
+  )
+
+
+class _LocalLock:
+  """flock on the lock file; the file's content only says who holds it."""
+
+  def __init__(self, config: Config):
+    self.path = lock_path(config)
+    try:
+      paths.makedirs(config.run_dir)
+      self._fd = self._open_locked(config)
+      previous = _parse(os.pread(self._fd, 1 << 16, 0).decode("utf-8", "replace"))
+      if previous:
+        logging.warning("%s: taking over the lock of a run that is no longer running: %s", self.path, _owner(previous))
+      data = json.dumps(_record()).encode()
+      os.ftruncate(self._fd, 0)
+      os.pwrite(self._fd, data, 0)
+    except OSError as e:
+      raise _unwritable(config, self.path, e) from None
+
+  def _open_locked(self, config: Config) -> int:
+    import fcntl
+
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        owner = _parse(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
+        os.close(fd)
+        raise ConfigError(
+          f"run directory {config.run_dir} is in use by {_owner(owner)}; wait for that run to end or use "
+          f"another run_name (lock file {self.path})"
+        ) from None
+      # The previous owner may have released (deleted) the file between our open and our flock: then we
+      # hold a lock on a file nobody else will open, and must lock the one now at the path.
+      try:
+        same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+      except FileNotFoundError:
+        same = False
+      if same:
+        return fd
+      os.close(fd)
+
+  def release(self) -> None:
+    try:
+      os.remove(self.path)  # while still held, so no other run is between our delete and our unlock
+    except OSError as e:
+      logging.warning("%s: could not remove the lock file (%s)", self.path, first_line(e))
+    os.close(self._fd)
+
+
+class _ObjectLock:
+  """A lock object in a bucket with an owner-refreshed heartbeat (see the module docstring)."""
+
+  def __init__(self, config: Config):
+    self.path = lock_path(config)
+    self._record = _record()
+    try:
+      self._take(config)
+    except (ConfigError, InputError):
+      raise
+    except Exception as e:  # gcsfs raises HTTP and auth errors of many types for a bucket it cannot write
+      raise _unwritable(config, self.path, e) from None
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._beat, name="run_lock_heartbeat", daemon=True)
+    self._thread.start()
+
+  def _take(self, config: Config) -> None:
+    for _ in range(3):
+      try:
+        paths.create_new(self.path, json.dumps(self._record))
+        return
+      except FileExistsError:
+        pass
+      owner = self._read()
+      if owner is None:  # released between our two calls: try again
+        continue
+      stale = self._stale_reason(owner)
+      if stale is None:
+        age = time.time() - owner.get("heartbeat", 0)
+        raise ConfigError(
+          f"run directory {config.run_dir} is in use by {_owner(owner)}, last heartbeat {age:.0f}s ago; wait for "
+          f"that run to end or use another run_name (a lock with no heartbeat for {STALE_AFTER_S:.0f}s is taken "
+          f"over; {self.path})"
+        )
+      logging.warning("%s: taking over the lock of %s: %s", self.path, _owner(owner), stale)
+      paths.remove(self.path)
+    raise ConfigError(f"run directory {config.run_dir}: another run keeps taking its lock ({self.path})")
+
+  def _read(self) -> dict[str, Any] | None:
+    paths.refresh(self.path)
+    try:
+      return _parse(paths.read_text(self.path))
+    except FileNotFoundError:
+      return None
+
+  @staticmethod
+  def _stale_reason(owner: dict[str, Any]) -> str | None:
+    if owner.get("host") == socket.gethostname() and not _pid_alive(owner.get("pid")):
+      return "that pid is no longer running on this host"
+    age = time.time() - float(owner.get("heartbeat", 0))
+    if age > STALE_AFTER_S:
+      return f"no heartbeat for {age:.0f}s (more than {STALE_AFTER_S:.0f}s)"
+    return None
+
+  def _beat(self) -> None:
+    while not self._stop.wait(HEARTBEAT_S):
+      try:
+        current = self._read()
+        if current is None or current.get("token") != self._record["token"]:
+          by = _owner(current) if current else "nothing (it was deleted)"
+          logging.error("%s: this run's lock was replaced by %s; no longer refreshing it", self.path, by)
+          return
+        self._record["heartbeat"] = time.time()
+        paths.write_text(self.path, json.dumps(self._record))
+      except Exception as e:  # a network hiccup: the next beat tries again, well inside STALE_AFTER_S
+        logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, first_line(e, with_type=True))
+
+  def release(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    try:
+      current = self._read()
+      if current is not None and current.get("token") == self._record["token"]:
+        paths.remove(self.path)
+    except Exception as e:
+      logging.warning("%s: could not remove the lock (%s)", self.path, first_line(e, with_type=True))
+
+
+def acquire(config: Config) -> _LocalLock | _ObjectLock:
+  """Takes the run directory's lock (creating the directory), or raises naming the run that holds it."""
+  return _ObjectLock(config) if paths.is_url(config.run_dir) else _LocalLock(config)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+  del frame
+  raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def hold(config: Config) -> Iterator[None]:
+  """The run's lock for the duration of the block (process 0 only; other processes run in its job).
+
+  A single process also turns SIGTERM into SystemExit here, so a run stopped before or outside the
+  checkpointing loop (which saves on SIGTERM itself) still unwinds and releases the lock. Under
+  jax.distributed, JAX's preemption service owns SIGTERM and the loop stops at an agreed step.
+  """
+  import jax
+
+  lock = acquire(config) if jax.process_index() == 0 else None
+  previous = None
+  if not jax.distributed.is_initialized() and threading.current_thread() is threading.main_thread():
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+  try:
+    yield
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+    if lock is not None:
+      lock.release()

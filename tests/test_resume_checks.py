@@ -1,0 +1,68 @@
+"""A run resumes from its own checkpoint only with the data stream and model it was saved with."""
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO, make_config
+
+from MaxLite.checkpoint.resume_checks import resume_differences
+
+TINY = ("model_name=tiny", "max_target_length=64", "eval_interval=-1", "enable_tensorboard=false", "log_period=1")
+
+
+def _as_saved(config) -> dict:
+  import json
+
+  return json.loads(json.dumps(config.to_dict()))
+
+
+def test_only_stream_and_model_keys_count():
+  saved = _as_saved(make_config(*TINY, "steps=10"))
+  grown = _as_saved(make_config(*TINY, "steps=20", "learning_rate=1e-4", "checkpoint_period=7"))
+  assert resume_differences(saved, grown) == []
+  other_mesh = _as_saved(
+    make_config(*TINY, "per_device_batch_size=1", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", num_devices=8)
+  )
+  single = _as_saved(make_config(*TINY, "per_device_batch_size=8"))  # the same global batch of 8 rows on 1 device
+  assert resume_differences(other_mesh, single) == []
+  changed = _as_saved(make_config(*TINY, "data_shuffle_seed=5", "max_target_length=32", "base_num_decoder_layers=3"))
+  assert resume_differences(saved, changed) == [
+    "data_shuffle_seed 0 -> 5",
+    "max_target_length 64 -> 32",
+    "base_num_decoder_layers 2 -> 3",
+  ]
+  bigger_batch = _as_saved(make_config(*TINY, "per_device_batch_size=8"))
+  assert resume_differences(saved, bigger_batch) == ["global_batch_size_to_train_on 4 -> 8"]
+  synthetic = _as_saved(make_config(*TINY, "dataset_type=synthetic"))
+  assert (
+    resume_differences(synthetic, _as_saved(make_config(*TINY, "dataset_type=synthetic", "tokenizer_path=x"))) == []
+  )
+  assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_path=x"))) == [
+    "tokenizer_path 'assets/tokenizer/maxlite_sp8k.model' -> 'x'"
+  ]
+
+
+def _train(tmp_path, *overrides):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  command = [sys.executable, "MaxLite/train.py", "configs/base.yml", *TINY, f"base_output_directory={tmp_path}"]
+  return subprocess.run(
+    [*command, "run_name=r", "enable_checkpointing=true", *overrides],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+
+
+def test_a_changed_data_stream_stops_the_resume_with_one_line_and_steps_may_grow(tmp_path):
+  assert _train(tmp_path, "steps=2").returncode == 0
+  changed = _train(tmp_path, "steps=4", "data_shuffle_seed=9", "max_target_length=32")
+  errors = [line for line in changed.stderr.splitlines() if line.startswith("error:")]
+  assert changed.returncode == 2 and len(errors) == 1, changed.stderr[-3000:]
+  assert "data_shuffle_seed 0 -> 9; max_target_length 64 -> 32" in errors[0]
+  assert "load_full_state_path=" in errors[0] and "Traceback" not in changed.stderr
+  grown = _train(tmp_path, "steps=4")
+  assert grown.returncode == 0, grown.stderr[-3000:]
+  assert "resumed from checkpoint at step 2" in grown.stderr

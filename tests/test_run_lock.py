@@ -1,0 +1,171 @@
+"""One writer per run directory: a live run's directory is refused to a second run, naming the owner;
+a lock left by a dead run is taken over; the lock goes when the run ends (normally, SIGTERM, an error)."""
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, make_config
+
+from MaxLite import run_lock
+from MaxLite.errors import ConfigError
+
+sys.path.insert(0, os.path.join(REPO, "end_to_end"))
+import procs
+from gcs import LocalGCS
+
+TINY = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "per_device_batch_size=1",
+  "dataset_type=synthetic",
+  "enable_tensorboard=false",
+  "eval_interval=-1",
+  "run_name=r",
+)
+
+
+def _error_lines(log: str) -> list[str]:
+  with open(log, encoding="utf-8", errors="replace") as f:
+    return [line.rstrip("\n") for line in f if line.startswith("error:")]
+
+
+def _dead_pid() -> int:
+  """The pid of a process that has exited and been reaped."""
+  proc = subprocess.Popen(["true"])
+  proc.wait()
+  return proc.pid
+
+
+def test_a_second_run_on_a_live_run_directory_stops_with_one_line(tmp_path):
+  lock, metrics = tmp_path / "r" / run_lock.LOCK_FILE, str(tmp_path / "r" / "metrics.jsonl")
+  args = (*TINY, f"base_output_directory={tmp_path}", "enable_checkpointing=true", "checkpoint_period=100000")
+  first_log, second_log = str(tmp_path / "first.log"), str(tmp_path / "second.log")
+  first = procs.start(procs.train_command(*args, "steps=100000"), first_log)
+  try:
+    procs.wait_for_step(first, metrics, 2, first_log)
+    assert procs.run(procs.train_command(*args, "steps=3"), second_log) == 2, procs.tail(second_log)
+    errors = _error_lines(second_log)
+    assert len(errors) == 1, procs.tail(second_log)
+    assert f"run directory {tmp_path / 'r'} is in use by pid {first.pid} on host {socket.gethostname()}" in errors[0]
+    assert "Traceback" not in procs.tail(second_log, lines=200)
+    assert first.poll() is None  # the refused run wrote nothing the live run minds
+  finally:
+    if first.poll() is None:
+      os.killpg(first.pid, signal.SIGTERM)  # the SIGTERM path: save, release the lock, exit 0
+  assert first.wait(timeout=120) == 0, procs.tail(first_log)
+  assert not lock.exists()
+  stopped_at = max(procs.losses(procs.metric_rows(metrics)))
+  assert procs.run(procs.train_command(*args, f"steps={stopped_at + 1}"), second_log) == 0, procs.tail(second_log)
+  assert max(procs.losses(procs.metric_rows(metrics))) == stopped_at + 1
+  assert not lock.exists()
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
+  lock, metrics = tmp_path / "r" / run_lock.LOCK_FILE, str(tmp_path / "r" / "metrics.jsonl")
+  args = (*TINY, f"base_output_directory={tmp_path}")
+  log = str(tmp_path / "log")
+  killed = procs.start(procs.train_command(*args, "steps=100000"), log)
+  procs.wait_for_step(killed, metrics, 1, log)
+  procs.kill_group(killed, signal.SIGKILL)
+  assert json.loads(lock.read_text())["pid"] == killed.pid  # left behind
+  assert procs.run(procs.train_command(*args, "steps=2"), log) == 0, procs.tail(log)
+  output = procs.tail(log, lines=400)
+  assert f"taking over the lock of a run that is no longer running: pid {killed.pid} on host" in output, output
+  assert not lock.exists()
+
+
+def _config(tmp_path, *overrides):
+  return make_config(*TINY, f"base_output_directory={tmp_path}", *overrides)
+
+
+def test_lock_records_the_owner_refuses_a_second_holder_and_is_released_on_error(tmp_path, caplog):
+  config = _config(tmp_path)
+  path = tmp_path / "r" / run_lock.LOCK_FILE
+  path.parent.mkdir()
+  path.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "started": "then"}))
+  with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="boom"):
+    with run_lock.hold(config):
+      owner = json.loads(path.read_text())
+      assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname() and owner["started"]
+      with pytest.raises(
+        ConfigError, match=rf"is in use by pid {os.getpid()} on host .*\(started {re.escape(owner['started'])}\)"
+      ):
+        run_lock.acquire(config)  # a second open of the file: flock refuses it as it would another process
+      raise RuntimeError("boom")
+  assert any("taking over the lock of a run that is no longer running" in r.getMessage() for r in caplog.records)
+  assert not path.exists()
+
+
+@pytest.mark.parametrize("under", ["file", "proc"])
+def test_an_unwritable_output_directory_is_one_line_at_start(tmp_path, under):
+  if under == "file":
+    (tmp_path / "afile").write_text("")
+    base = tmp_path / "afile" / "out"
+  else:
+    base = "/proc/maxlite_outputs"  # nobody, root included, can create entries there
+  log = str(tmp_path / "log")
+  assert procs.run(procs.train_command(*TINY, f"base_output_directory={base}", "steps=1"), log) == 2, procs.tail(log)
+  errors = _error_lines(log)
+  assert len(errors) == 1, procs.tail(log)
+  assert errors[0].startswith(f"error: base_output_directory={base}: cannot write the run directory {base}/r ("), errors
+  assert "Traceback" not in procs.tail(log, lines=200)
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+  with LocalGCS(str(tmp_path_factory.mktemp("gcs"))) as server:
+    previous = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    from MaxLite import paths
+
+    paths.use_storage_emulator_if_set()
+    try:
+      yield server, server.create_bucket("locks")
+    finally:
+      for key, value in previous.items():
+        if value is None:
+          os.environ.pop(key, None)
+        else:
+          os.environ[key] = value
+
+
+def test_gs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(bucket, caplog):
+  server, url = bucket
+  config = make_config(*TINY, f"base_output_directory={url}/runs")
+  name = f"runs/r/{run_lock.LOCK_FILE}"
+  lock = run_lock.acquire(config)
+  try:
+    owner = json.loads(server.read("locks", name))
+    assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
+    with pytest.raises(ConfigError, match=rf"in use by pid {os.getpid()} .*last heartbeat \d+s ago"):
+      run_lock.acquire(config)
+  finally:
+    lock.release()
+  assert server.objects("locks", "runs/r/") == []
+
+  def other(**fields):
+    record = {"pid": 1, "host": "elsewhere", "started": "then", "heartbeat": time.time(), "token": "x", **fields}
+    server.upload("locks", name, json.dumps(record).encode())
+
+  other()  # alive on another host, as far as anyone here can tell
+  with pytest.raises(ConfigError, match=r"in use by pid 1 on host elsewhere \(started then\), last heartbeat"):
+    run_lock.acquire(config)
+  for stale, reason in (
+    ({"heartbeat": time.time() - run_lock.STALE_AFTER_S - 60}, "no heartbeat for"),
+    ({"host": socket.gethostname(), "pid": _dead_pid()}, "that pid is no longer running on this host"),
+  ):
+    other(**stale)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      lock = run_lock.acquire(config)
+    assert any(reason in r.getMessage() for r in caplog.records), caplog.text
+    assert json.loads(server.read("locks", name))["pid"] == os.getpid()
+    lock.release()
