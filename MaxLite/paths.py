@@ -30,16 +30,20 @@ _GCS_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 
 
 def use_storage_emulator_if_set(environ: dict[str, str] | None = None) -> None:
-  """With STORAGE_EMULATOR_HOST set, give each storage library its own name for the emulator (setdefault)."""
+  """With STORAGE_EMULATOR_HOST set, give each storage library its own name for the emulator.
+
+  The endpoints always follow STORAGE_EMULATOR_HOST (a stale one inherited from an earlier server would
+  send one library to a dead port, where google-cloud-cpp retries for many minutes); the switches that only
+  silence credential lookups are defaults a user may override."""
   environ = os.environ if environ is None else environ
   host = environ.get("STORAGE_EMULATOR_HOST", "")
   if not host:
     return
   url = host if "://" in host else f"http://{host}"
+  environ["TENSORSTORE_GCS_HTTP_URL"] = url  # orbax's array storage
+  environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = url  # ArrayRecord's reader (google-cloud-cpp)
   for key, value in (
-    ("TENSORSTORE_GCS_HTTP_URL", url),  # orbax's array storage
     ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator"),  # tensorstore: no credential lookup
-    ("CLOUD_STORAGE_EMULATOR_ENDPOINT", url),  # ArrayRecord's reader (google-cloud-cpp)
     ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"),  # gcsfs: no gRPC bucket-type probe (60 s each)
     ("NO_GCE_CHECK", "true"),  # google-auth: no metadata-server probe
     ("FSSPEC_GCS_TOKEN", "anon"),  # gcsfs: no credential lookup

@@ -299,3 +299,19 @@ def test_an_unreachable_storage_endpoint_is_one_line(tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "gs://bucket/runs" in errors[0] and "Traceback" not in proc.stderr
   assert time.monotonic() - start < 120
+
+
+def test_emulator_endpoints_follow_storage_emulator_host():
+  """A process started after another emulator's settings were set must not keep the old endpoints
+  (ArrayRecord's client would retry a dead port for many minutes)."""
+  from MaxLite import paths
+
+  environ = {
+    "STORAGE_EMULATOR_HOST": "http://127.0.0.1:2222",
+    "CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:1111",
+    "TENSORSTORE_GCS_HTTP_URL": "http://127.0.0.1:1111",
+    "NO_GCE_CHECK": "false",
+  }
+  paths.use_storage_emulator_if_set(environ)
+  assert environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:2222"
+  assert environ["NO_GCE_CHECK"] == "false"  # an explicit user choice stays

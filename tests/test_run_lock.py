@@ -122,7 +122,7 @@ def test_an_unwritable_output_directory_is_one_line_at_start(tmp_path, under):
 @pytest.fixture(scope="module")
 def bucket(tmp_path_factory):
   with LocalGCS(str(tmp_path_factory.mktemp("gcs"))) as server:
-    previous = {k: os.environ.get(k) for k in server.env}
+    previous = dict(os.environ)  # the emulator settings below must not leak into later tests' processes
     os.environ.update(server.env)
     from MaxLite import paths
 
@@ -130,11 +130,8 @@ def bucket(tmp_path_factory):
     try:
       yield server, server.create_bucket("locks")
     finally:
-      for key, value in previous.items():
-        if value is None:
-          os.environ.pop(key, None)
-        else:
-          os.environ[key] = value
+      os.environ.clear()
+      os.environ.update(previous)
 
 
 def test_gs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(bucket, caplog):
