@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxLite import cli, paths
+from MaxLite import cli, derived, paths
 from MaxLite import config as config_lib
 from MaxLite.errors import ConfigError
 
@@ -131,9 +131,11 @@ def run(argv: Sequence[str]) -> list[str]:
   from MaxLite.data.tokenizer import load_tokenizer
   from MaxLite.mesh import create_mesh
 
-  texts = config_lib.load_raw(argv)["prompt"].split(PROMPT_SEPARATOR)
+  raw = config_lib.load_raw(argv)
+  texts = raw["prompt"].split(PROMPT_SEPARATOR)
   # The batch is the prompts; the mesh splits it like a training batch.
-  config = config_lib.load_config([*argv, f"per_device_batch_size={len(texts) / jax.device_count()}"])
+  raw["per_device_batch_size"] = len(texts) / jax.device_count()
+  config = config_lib.Config(derived.validate_and_derive(raw))
   if config.num_pipeline_stages > 1:
     raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
   tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path))

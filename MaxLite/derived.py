@@ -37,6 +37,11 @@ DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
 
 
+def default_run_name() -> str:
+  """`run_name=""` becomes the start time; a multi-process job picks it once and shares it."""
+  return datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
+
+
 def resolve_parallelism(prefix: str, values: dict[str, int], total: int, what: str) -> dict[str, int]:
   """Fill the single -1 in {axis: size} so the product equals `total`."""
   keys = {axis: f"{prefix}_{AXIS_KEY[axis]}_parallelism" for axis in values}
@@ -264,7 +269,7 @@ def validate_and_derive(
 
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
 
-  run_name = c["run_name"] or datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
+  run_name = c["run_name"] or default_run_name()
   run_dir = paths.join(paths.absolute(c["base_output_directory"]), run_name)
   schedule_steps = c["steps"] if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
   c.update(

@@ -19,7 +19,6 @@ import posixpath
 import re
 import socket
 import urllib.parse
-from collections.abc import Iterator
 from typing import IO, Any
 
 from MaxLite.errors import InputError, first_line
@@ -76,6 +75,8 @@ def _fs(path: str) -> tuple[Any, str]:
   """(fsspec filesystem, path inside it) for a URL."""
   import fsspec
 
+  if path.startswith("gs://"):
+    _check_endpoint_answers(path)
   try:
     return fsspec.core.url_to_fs(path)
   except ImportError as e:
@@ -198,22 +199,14 @@ def glob(pattern: str) -> list[str]:
   return [f"{protocol}://{p}" for p in fs.glob(inner)]
 
 
-def walk_files(path: str) -> Iterator[str]:
-  """Every file under a directory, as full paths or URLs."""
-  if not is_url(path):
-    for root, _, files in os.walk(path):
-      yield from (os.path.join(root, f) for f in files)
-    return
-  fs, inner = _fs(path)
-  protocol = path.split("://", 1)[0]
-  yield from (f"{protocol}://{p}" for p in fs.find(inner))
-
-
 def check_bucket(path: str, key: str) -> None:
   """For a gs:// URL: the bucket exists and is reachable with this machine's credentials; one clear line if not."""
   if not is_url(path):
     return
-  fs, inner = _fs(path)
+  try:
+    fs, inner = _fs(path)
+  except InputError as e:  # it names the path; say which key holds it
+    raise InputError(f"{key}={e}") from None
   bucket = inner.split("/", 1)[0]
   if not bucket:
     raise InputError(f"{key}={path}: names no bucket; use {path.split('://', 1)[0]}://BUCKET/folder")
@@ -221,8 +214,6 @@ def check_bucket(path: str, key: str) -> None:
     raise InputError(
       f"{key}={path}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, - _ .)"
     )
-  if path.startswith("gs://"):
-    _check_endpoint_answers(path, key)
   quiet = logging.getLogger("gcsfs")
   level, quiet.level = quiet.level, logging.CRITICAL  # its retries log tracebacks; the error below says it all
   try:
@@ -235,16 +226,26 @@ def check_bucket(path: str, key: str) -> None:
     raise InputError(f"{key}={path}: bucket {bucket!r} does not exist (or these credentials cannot see it)")
 
 
-def _check_endpoint_answers(path: str, key: str) -> None:
-  """One TCP connection to the GCS endpoint, so a wrong host or no network is one line in seconds, not
-  after a minute of client retries."""
+def _endpoint() -> tuple[str, int]:
   endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
   url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
-  port = url.port or (443 if url.scheme == "https" else 80)
+  return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
+
+_reached: set[tuple[str, int]] = set()
+
+
+def _check_endpoint_answers(path: str) -> None:
+  """One TCP connection to the GCS endpoint, once per process, so a wrong host or no network is one line in
+  seconds, not after a minute of client retries on every storage call."""
+  host, port = _endpoint()
+  if (host, port) in _reached:
+    return
   try:
-    socket.create_connection((url.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
+    socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
   except OSError as e:
-    raise InputError(f"{key}={path}: cannot reach its storage at {url.hostname}:{port} ({first_line(e)})") from None
+    raise InputError(f"{path}: cannot reach its storage at {host}:{port} ({first_line(e)})") from None
+  _reached.add((host, port))
 
 
 def bundled_root() -> str:

@@ -20,9 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from MaxLite import cli, paths, topologies
+from MaxLite import cli, derived, paths, topologies
 from MaxLite import config as config_lib
-from MaxLite.derived import MESH_AXES
 from MaxLite.errors import ConfigError
 
 DOES_NOT_FIT = 3
@@ -135,7 +134,7 @@ def report(
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0
   model_flops = flops.training_flops_per_step(config)["total"] / config.num_devices
-  mesh = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, config.mesh_shape) if n > 1) or "1"
+  mesh = " x ".join(f"{a}={n}" for a, n in zip(derived.MESH_AXES, config.mesh_shape) if n > 1) or "1"
   tokens = config.global_batch_size_to_train_on * config.max_target_length
   lines = [
     f"compiled train step for {target.name} x {config.num_slices} slice(s) ({config.num_devices} devices, "
@@ -192,7 +191,9 @@ def run(argv: Sequence[str]) -> int:
   prepare_backend(target)
   devices = target_devices(target, num_slices)
   processes = len({d.process_index for d in devices})
-  config = config_lib.load_config(argv, num_devices=len(devices), num_slices=num_slices, process_count=processes)
+  config = config_lib.Config(
+    derived.validate_and_derive(raw, num_devices=len(devices), num_slices=num_slices, process_count=processes)
+  )
   start = time.perf_counter()
   lowered, state_bytes = lower_train_step(config, devices)
   try:

@@ -13,6 +13,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_YML = os.path.join(REPO, "configs", "base.yml")
 
 TRAIN = os.path.join(REPO, "MaxLite", "train.py")
+# The tiny model on 64-token rows, learning fast and logging every step: what the end-to-end runs compare.
+TINY = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "learning_rate=1e-2",
+  "learning_rate_schedule_steps=16",
+  "eval_interval=-1",
+  "log_period=1",
+)
 LAUNCH = os.path.join(REPO, "MaxLite", "launch_local.py")
 
 

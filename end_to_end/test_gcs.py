@@ -17,15 +17,7 @@ import pytest
 from gcs import LocalGCS
 
 BUCKET = "maxlite-test"
-TINY = (
-  "model_name=tiny",
-  "max_target_length=64",
-  "learning_rate=1e-2",
-  "learning_rate_schedule_steps=16",
-  "eval_interval=-1",
-  "log_period=1",
-  "dataset_type=grain",
-)
+TINY = (*procs.TINY, "dataset_type=grain")
 CORPUS = os.path.join(procs.REPO, "assets", "corpus")
 TOKENIZER = os.path.join(procs.REPO, "assets", "tokenizer", "maxlite_sp8k.model")
 _LOGGED_STEP = re.compile(r"step\s+(\d+) \| loss")

@@ -13,15 +13,7 @@ import time
 import orbax.checkpoint as ocp
 import procs
 
-TINY = (
-  "model_name=tiny",
-  "max_target_length=64",
-  "enable_tensorboard=false",
-  "learning_rate=1e-2",
-  "learning_rate_schedule_steps=16",
-  "eval_interval=-1",
-  "log_period=1",
-)
+TINY = (*procs.TINY, "enable_tensorboard=false")
 
 
 def _run_losses(tmp_path, overrides, run_name, devices=1):

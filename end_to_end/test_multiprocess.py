@@ -11,13 +11,8 @@ import numpy as np
 import procs
 
 TINY = (
-  "model_name=tiny",
-  "max_target_length=64",
+  *procs.TINY,
   "enable_tensorboard=false",
-  "learning_rate=1e-2",
-  "learning_rate_schedule_steps=16",
-  "eval_interval=-1",
-  "log_period=1",
   "dataset_type=grain",
   "per_device_batch_size=1",
   "ici_fsdp_parallelism=8",

@@ -6,6 +6,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -26,3 +29,10 @@ def first_devices(n: int):
 @pytest.fixture
 def tmp_outputs(tmp_path):
   return f"base_output_directory={tmp_path}"
+
+
+def run_train_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+  """`python MaxLite/train.py configs/base.yml key=value ...` from the repo root on one CPU device."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  command = [sys.executable, "MaxLite/train.py", "configs/base.yml", *overrides]
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

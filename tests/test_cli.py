@@ -6,21 +6,11 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, run_train_cli
 
 
 def test_train_command_synthetic_20_steps(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  cmd = [
-    sys.executable,
-    "MaxLite/train.py",
-    "configs/base.yml",
-    "dataset_type=synthetic",
-    "steps=20",
-    f"base_output_directory={tmp_path}",
-    "run_name=smoke",
-  ]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  proc = run_train_cli("dataset_type=synthetic", "steps=20", f"base_output_directory={tmp_path}", "run_name=smoke")
   assert proc.returncode == 0, proc.stderr[-3000:]
   run_dir = tmp_path / "smoke"
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

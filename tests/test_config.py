@@ -1,11 +1,9 @@
 """Config loading: inheritance, overlays, typed overrides, validation errors, derived values."""
 
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import BASE_YML, REPO, make_config
+from conftest import BASE_YML, make_config, run_train_cli
 
 from MaxLite.config import available_models, load_config
 from MaxLite.errors import ConfigError
@@ -138,15 +136,7 @@ def test_bad_input_is_one_clear_error(overrides, num_devices, fragment):
   ],
 )
 def test_cli_bad_input_exits_with_one_line(args, fragment):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  proc = subprocess.run(
-    [sys.executable, "MaxLite/train.py", "configs/base.yml", *args],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = run_train_cli(*args, timeout=120)
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr
   error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -216,15 +206,7 @@ def test_maxtext_style_command_trains_with_maxtext_key_names(tmp_path):
     f"base_output_directory={tmp_path}",
     "run_name=mt",
   ]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  proc = subprocess.run(
-    [sys.executable, "MaxLite/train.py", "configs/base.yml", *args],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  proc = run_train_cli(*args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "warning:" not in proc.stderr
   assert sorted(os.listdir(tmp_path / "mt" / "checkpoints")) == ["3"]

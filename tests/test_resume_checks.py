@@ -1,10 +1,8 @@
 """A run resumes from its own checkpoint only with the data stream and model it was saved with."""
 
-import os
-import subprocess
-import sys
+import json
 
-from conftest import REPO, make_config
+from conftest import make_config, run_train_cli
 
 from MaxLite.checkpoint.resume_checks import resume_differences
 
@@ -12,8 +10,6 @@ TINY = ("model_name=tiny", "max_target_length=64", "eval_interval=-1", "enable_t
 
 
 def _as_saved(config) -> dict:
-  import json
-
   return json.loads(json.dumps(config.to_dict()))
 
 
@@ -44,15 +40,8 @@ def test_only_stream_and_model_keys_count():
 
 
 def _train(tmp_path, *overrides):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  command = [sys.executable, "MaxLite/train.py", "configs/base.yml", *TINY, f"base_output_directory={tmp_path}"]
-  return subprocess.run(
-    [*command, "run_name=r", "enable_checkpointing=true", *overrides],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
+  return run_train_cli(
+    *TINY, f"base_output_directory={tmp_path}", "run_name=r", "enable_checkpointing=true", *overrides
   )
 
 

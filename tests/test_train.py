@@ -210,3 +210,27 @@ def test_no_recompilation_after_the_first_step(tmp_path):
     logger.removeHandler(handler)
   assert handler.names.count("jit(train_step)") == 1, handler.names
   assert handler.names.count("jit(eval_step)") == 1, handler.names
+
+
+def test_metrics_in_a_bucket_are_uploaded_at_most_every_few_seconds(monkeypatch):
+  """An object cannot be appended to, so each upload rewrites the whole file: never once per step."""
+  from MaxLite.training import metrics
+
+  uploads, clock = [], [100.0]
+  monkeypatch.setattr(metrics.paths, "exists", lambda path: False)
+  monkeypatch.setattr(metrics.paths, "write_text", lambda path, text: uploads.append((path, text)))
+  monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+  config = make_config("base_output_directory=gs://bucket/runs", "run_name=r", "enable_tensorboard=false")
+  writer = metrics.MetricsWriter(config, is_primary=True)
+  for step in range(1, 6):
+    writer.write({"step": step, "loss": 1.0})
+  assert uploads == []
+  clock[0] += metrics._OBJECT_REWRITE_S
+  writer.write({"step": 6, "loss": 1.0})
+  assert len(uploads) == 1 and uploads[0][0] == "gs://bucket/runs/r/metrics.jsonl"
+  assert uploads[0][1].count("\n") == 6
+  writer.write({"step": 7, "loss": 1.0})
+  writer.flush()  # a checkpoint: every row so far is stored
+  assert len(uploads) == 2 and uploads[1][1].count("\n") == 7
+  writer.close()
+  assert len(uploads) == 2  # nothing new to write

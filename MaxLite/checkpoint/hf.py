@@ -159,7 +159,7 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   for key, value in settings.items():  # given model keys must agree with the checkpoint
     if key in explicit and config_lib.coerce(key, explicit[key], value, "command line") != value:
       raise InputError(f"{key}={explicit[key]} was given but {config_json} has {value}")
-  dtype = np.dtype(config.weight_dtype if config.weight_dtype != "bfloat16" else "bfloat16")
+  dtype = np.dtype(config.weight_dtype)
   params: dict = {}
   n = config.base_num_decoder_layers
   for ml_path, hf_name, to_ml, _ in global_tensors(config.logits_via_embedding):
@@ -249,7 +249,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
   params = jax.tree.map(np.asarray, checkpointing.load_params(checkpoint_path, target))
-  dtype = np.dtype(config.weight_dtype if config.weight_dtype != "bfloat16" else "bfloat16")
+  dtype = np.dtype(config.weight_dtype)
   tensors = []
   for ml_path, hf_name, _, to_hf_fn in global_tensors(config.logits_via_embedding):
     value = _get(params, ml_path)

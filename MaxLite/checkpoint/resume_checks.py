@@ -39,8 +39,7 @@ def check_resume(step_dir: str, config: Config) -> None:
   if not paths.isfile(path):
     return  # saved before configs were stored: nothing to compare
   saved = json.loads(paths.read_text(path))
-  current = json.loads(json.dumps(config.to_dict(), default=str))  # tuples as lists, as saved
-  differences = resume_differences(saved, current)
+  differences = resume_differences(saved, config.to_dict())  # to_dict gives lists for tuples, as JSON does
   if differences:
     raise CheckpointError(
       f"checkpoint {step_dir} cannot be resumed exactly: {'; '.join(differences)}. Go back to the saved values, "

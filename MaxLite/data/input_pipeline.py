@@ -18,7 +18,7 @@ from MaxLite.config import Config
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data.synthetic import SyntheticIterator
 from MaxLite.errors import ConfigError
-from MaxLite.paths import resolve_list
+from MaxLite.paths import resolve, resolve_list
 from MaxLite.sharding import batch_sharding
 
 
@@ -28,7 +28,7 @@ def check_tokenizer(config: Config) -> None:
     return
   from MaxLite.data.tokenizer import load_tokenizer
 
-  tokenizer = load_tokenizer(resolve_list(config.tokenizer_path))
+  tokenizer = load_tokenizer(resolve(config.tokenizer_path))
   if config.vocab_size < tokenizer.vocab_size:
     raise ConfigError(
       f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -56,6 +56,7 @@ class GlobalBatchIterator:
 
   def __init__(self, local: Any, sharding: NamedSharding, global_shape: tuple[int, int]):
     self._local, self._sharding, self._global_shape = local, sharding, global_shape
+    self._start = local.get_state()
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
@@ -72,6 +73,10 @@ class GlobalBatchIterator:
 
   def set_state(self, state: Any) -> None:
     self._local.set_state(state)
+
+  def rewind(self) -> None:
+    """Back to the first batch (each evaluation reads the same eval batches, without reopening files)."""
+    self._local.set_state(self._start)
 
   def close(self) -> None:
     close = getattr(self._local, "close", None)
@@ -95,7 +100,7 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
   files = config.grain_train_files if split == "train" else config.grain_eval_files
   return make_grain_iterator(
     resolve_list(files),
-    tokenizer_path=resolve_list(config.tokenizer_path),
+    tokenizer_path=resolve(config.tokenizer_path),
     seq_len=config.max_target_length,
     num_slots=global_batch,
     slots=rows,

@@ -22,7 +22,7 @@ import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordReader
 
 from MaxLite import cli
-from MaxLite.errors import InputError
+from MaxLite.errors import InputError, first_line
 from MaxLite.paths import expand_globs
 
 # sentencepiece silently drops longer "sentences"; lines above this are cut into pieces.
@@ -39,7 +39,7 @@ def _documents(path: str) -> Iterator[str]:
       reader = ArrayRecordReader(path)
       n = reader.num_records()
     except Exception as e:  # the C++ reader raises plain RuntimeError
-      raise InputError(f"--input: not a readable ArrayRecord file: {path} ({str(e).splitlines()[0]})") from None
+      raise InputError(f"--input: not a readable ArrayRecord file: {path} ({first_line(e)})") from None
     try:
       for start in range(0, n, _RECORDS_PER_READ):  # bounded batches, never read_all()
         for record in reader.read(list(range(start, min(n, start + _RECORDS_PER_READ)))):

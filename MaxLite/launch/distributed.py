@@ -7,7 +7,6 @@ on a TPU VM (jax then reads the slice's hosts from the TPU metadata); elsewhere 
 
 from __future__ import annotations
 
-import datetime
 import glob
 import os
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from MaxLite import derived
 from MaxLite.errors import ConfigError
 
 # JAX's own deadline is set this much later than ours, so our clear message wins the race against
@@ -105,7 +105,7 @@ def initialize(raw: Mapping[str, Any]) -> bool:
   return True
 
 
-def _client() -> Any:
+def coordination_client() -> Any:
   from jax._src import distributed as jax_distributed  # the coordination service's key-value store
 
   return jax_distributed.global_state.client
@@ -117,6 +117,6 @@ def shared_run_name(raw: dict[str, Any]) -> None:
     return
   key = "maxlite/run_name"
   if jax.process_index() == 0:
-    _client().key_value_set(key, datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S"))
+    coordination_client().key_value_set(key, derived.default_run_name())
   timeout_ms = 1000 * raw["jax_distributed_initialization_timeout"]
-  raw["run_name"] = _client().blocking_key_value_get(key, timeout_ms)
+  raw["run_name"] = coordination_client().blocking_key_value_get(key, timeout_ms)

@@ -7,7 +7,6 @@ Each process simulates M CPU devices. Logs go to <run_dir>/logs/process_<i>.log 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import socket
@@ -20,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-from MaxLite import cli, paths
+from MaxLite import cli, derived, paths
 from MaxLite import config as config_lib
 from MaxLite.errors import UsageError
 
@@ -170,7 +169,7 @@ def run(argv: Sequence[str], doc: str) -> int:
   train_args = list(args.train_args)
   run_name = raw["run_name"]
   if not run_name:  # one name for every process (and for the log folder)
-    run_name = datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
+    run_name = derived.default_run_name()
     train_args.append(f"run_name={run_name}")
   log_dir = args.log_dir or paths.join(paths.absolute(raw["base_output_directory"]), run_name, "logs")
   if not paths.is_url(log_dir):

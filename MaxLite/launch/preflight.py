@@ -18,6 +18,7 @@ import numpy as np
 
 from MaxLite.config import Config
 from MaxLite.errors import ConfigError
+from MaxLite.launch import distributed
 
 # Keys that legitimately differ between the processes of one job.
 _PER_PROCESS_KEYS = ("process_id",)
@@ -71,14 +72,12 @@ def check_same_config(config: Config) -> None:
 
   if jax.process_count() == 1:
     return
-  values = json.loads(json.dumps(config.to_dict(), default=str))
+  values = config.to_dict()
   digests = np.asarray(multihost_utils.process_allgather(np.frombuffer(config_digest(values), np.uint8)))
   odd = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
   if not odd:
     return
-  from jax._src import distributed as jax_distributed
-
-  client = jax_distributed.global_state.client
+  client = distributed.coordination_client()
   if jax.process_index() == 0:
     client.key_value_set("maxlite/config_of_process_0", json.dumps(values))
   if jax.process_index() in odd:

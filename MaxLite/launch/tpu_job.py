@@ -67,11 +67,6 @@ def storage_cp_command(source: str, destination: str) -> list[str]:
   return ["gcloud", "storage", "cp", source, destination]
 
 
-def node_names(run_name: str, num_slices: int) -> list[str]:
-  """The TPU VMs a queued resource makes: --node-id=<name>, or --node-prefix=<name> gives <name>-<i>."""
-  return [run_name] if num_slices == 1 else [f"{run_name}-{i}" for i in range(num_slices)]
-
-
 def create_command(
   run_name: str,
   tpu_type: str,
@@ -171,7 +166,7 @@ def watch_commands(run_name: str, num_slices: int, zone: str, project: str, logs
   where = [f"--zone={zone}", f"--project={project}"]
   qr = [*tpu_pod.TPU, "queued-resources"]
   tail = f"--command=tail -f {JOB_ROOT}/{run_name}/slice_0_worker_0.log"
-  ssh = [*tpu_pod.TPU, "tpu-vm", "ssh", node_names(run_name, num_slices)[0], "--worker=0", *where, tail]
+  ssh = [*tpu_pod.TPU, "tpu-vm", "ssh", tpu_pod.slice_names(run_name, num_slices)[0], "--worker=0", *where, tail]
   return [
     f"state:   {shlex.join([*qr, 'describe', run_name, *where])}",
     f"live:    {shlex.join(ssh)}",

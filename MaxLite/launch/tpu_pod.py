@@ -30,6 +30,12 @@ FREE_TPU = (
 )
 
 
+def slice_names(prefix: str, num_slices: int) -> list[str]:
+  """One slice is <prefix> itself; N slices are <prefix>-<i>: the TPU VMs a queued resource makes with
+  --node-id=<prefix>, or with --node-prefix=<prefix> --node-count=N."""
+  return [prefix] if num_slices == 1 else [f"{prefix}-{i}" for i in range(num_slices)]
+
+
 def check_name(flag: str, value: str) -> str:
   if not _NAME.fullmatch(value):
     raise LaunchError(f"{flag}={value!r}: use only letters, digits, '.', '_' and '-', starting with a letter or digit")

@@ -41,11 +41,6 @@ PID_FILE = ".maxlite_command.pid"
 POLL_S = 0.2
 
 
-def slice_names(tpu_prefix: str, num_slices: int) -> list[str]:
-  """One slice is <TPU_PREFIX> itself; N slices are <TPU_PREFIX>-<i> (a queued resource's --node-prefix names)."""
-  return [tpu_prefix] if num_slices == 1 else [f"{tpu_prefix}-{i}" for i in range(num_slices)]
-
-
 def describe_command(slice_name: str, zone: str, project: str) -> list[str]:
   return [*tpu_pod.TPU, "tpu-vm", "describe", slice_name, f"--zone={zone}", f"--project={project}", "--format=json"]
 
@@ -252,7 +247,7 @@ def run(argv: Sequence[str], doc: str = __doc__) -> int:
   args = parse_args(argv, doc)
   project = args.PROJECT or tpu_pod.gcloud_default("project", "--PROJECT")
   zone = args.ZONE or tpu_pod.gcloud_default("compute/zone", "--ZONE")
-  names = slice_names(args.TPU_PREFIX, args.NUM_SLICES)
+  names = tpu_pod.slice_names(args.TPU_PREFIX, args.NUM_SLICES)
   slices = find_slices(names, zone, project)
   local_dir = tpu_pod.work_dir(args.RUN_NAME)
   tar_name = f"maxlite-{args.RUN_NAME}.tar.gz"

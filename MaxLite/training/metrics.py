@@ -50,7 +50,7 @@ class MetricsWriter:
       self._jsonl = _ObjectLines(config.metrics_file)
     else:
       paths.makedirs(config.run_dir)
-      self._jsonl = open(config.metrics_file, "a", encoding="utf-8")
+      self._jsonl = open(config.metrics_file, "a", encoding="utf-8", buffering=1)  # each row on disk at once
     if config.enable_tensorboard:
       from tensorboardX import SummaryWriter
 
@@ -59,8 +59,7 @@ class MetricsWriter:
   def write(self, row: dict[str, Any]) -> None:
     if not self._active:
       return
-    self._jsonl.write(json.dumps(row) + "\n")
-    self._jsonl.flush()
+    self._jsonl.write(json.dumps(row) + "\n")  # in a bucket: rewritten at most every _OBJECT_REWRITE_S
     if self._tensorboard is not None:
       step = row["step"]
       for key, value in row.items():

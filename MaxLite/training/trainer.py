@@ -68,16 +68,23 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack(leaves))
 
 
-def evaluate(config: Config, mesh, eval_fn, params) -> float:
+def evaluate(config: Config, mesh, eval_fn, params, batches: Any = None) -> float:
+  """Mean loss per real token over the first eval_steps eval batches. `batches`, the run's eval iterator,
+  is rewound and reused; without it a new one is made and closed."""
   totals = {"xent_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
-  batches = input_pipeline.make_iterator(config, mesh, "eval")
+  own = batches is None
+  if own:
+    batches = input_pipeline.make_iterator(config, mesh, "eval")
+  else:
+    batches.rewind()
   try:
     for _ in range(config.eval_steps):
       aux = jax.device_get(eval_fn(params, next(batches)))
       for k in totals:
         totals[k] += float(aux[k])
   finally:
-    batches.close()
+    if own:
+      batches.close()
   return totals["xent_sum"] / max(totals["tokens"], 1.0)
 
 
@@ -140,9 +147,10 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
   # Run on save steps only: it waits for the step, which the loop otherwise never does.
   state_is_finite = jax.jit(lambda s: _all_finite((s.params, s.opt_state)), out_shardings=replicated)
-  eval_fn = None
+  eval_fn = eval_batches = None
   if config.eval_interval > 0 and (config.dataset_type == "synthetic" or config.grain_eval_files):
     eval_fn = jit_eval_step(config, Transformer(config).apply, state_shardings.params, batch_sharding, replicated)
+    eval_batches = input_pipeline.make_iterator(config, mesh, "eval")
 
   writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
   profiler = _Profiler(config)
@@ -218,7 +226,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
         if pending is not None:
           finish(*pending)
           pending = None
-        eval_loss = evaluate(config, mesh, eval_fn, state.params)
+        eval_loss = evaluate(config, mesh, eval_fn, state.params, eval_batches)
         logging.info(f"step {step:>6d} | eval_loss {eval_loss:.4f}")
         writer.write({"step": step, "eval_loss": eval_loss})
         rows.append({"step": step, "eval_loss": eval_loss})
@@ -236,4 +244,6 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
     profiler.stop()
     writer.close()
     batches.close()
+    if eval_batches is not None:
+      eval_batches.close()
   return rows
