@@ -13,6 +13,7 @@ from typing import Any
 
 from MaxLite import paths
 from MaxLite.errors import ConfigError
+from MaxLite.layers import splash_blocks
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 # Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
@@ -32,7 +33,14 @@ REMAT_POLICIES = (
   "save_dot_except_mlpwi",
   "save_qkv_proj",
   "save_out_proj",
+  "minimal_offloaded",
+  "qkv_proj_offloaded",
+  "save_dot_except_mlp_offloaded",
 )
+# The attention key's values; MaxText's spellings map onto MaxLite's (flash is its TPU splash kernel).
+ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax")
+_ATTENTION_ALIASES = {"flash": "splash", "cudnn_flash_jax": "cudnn"}
+_AUTOSELECTED = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
 
@@ -85,9 +93,19 @@ def batch_mesh_axes(rules: Sequence[Sequence[Any]]) -> tuple[str, ...]:
   return ()
 
 
+def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[str, int]) -> int:
+  """How many ways the logical activation axis `logical` is split under `rules` on this mesh."""
+  for name, axes in rules:
+    if name == logical:
+      axes = [axes] if isinstance(axes, str) else axes or []
+      return math.prod(mesh[a] for a in axes)
+  return 1
+
+
 def _check_choices(c: dict[str, Any]) -> None:
   for key, choices in (
     ("remat_policy", REMAT_POLICIES),
+    ("attention", ATTENTION),
     ("dtype", DTYPES),
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
@@ -123,6 +141,7 @@ def _check_positive(c: dict[str, Any]) -> None:
     "vocab_size",
     "max_target_length",
     "gradient_accumulation_steps",
+    "num_vocab_tiling",
     "log_period",
     "checkpoint_period",
     "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps",
@@ -205,6 +224,34 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
     )
 
 
+def attention_kernel(c: dict[str, Any], platform: str, sequence_shards: int) -> str:
+  """The attention implementation this run uses on `platform`, after checking it can run there."""
+  name = _ATTENTION_ALIASES.get(c["attention"], c["attention"])
+  if name == "autoselected":
+    name = _AUTOSELECTED.get(platform, "dot_product")
+    if name == "splash" and splash_blocks.tiling_problem(c, sequence_shards):
+      name = "dot_product"  # autoselected never picks a kernel that cannot tile the sequence
+  if name == "cudnn" and _AUTOSELECTED.get(platform) != "cudnn":
+    raise ConfigError(
+      f"attention={c['attention']} needs a GPU (cuDNN flash attention); this run's devices are "
+      f"{platform}: use attention=dot_product or autoselected"
+    )
+  if name == "splash":
+    problem = splash_blocks.tiling_problem(c, sequence_shards)
+    if problem:
+      raise ConfigError(problem)
+  return name
+
+
+def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
+  n = c["num_vocab_tiling"]
+  if n > 1 and c["max_target_length"] % (n * sequence_shards):
+    raise ConfigError(
+      f"num_vocab_tiling={n} must divide max_target_length={c['max_target_length']} / sequence parallelism "
+      f"{sequence_shards} (each chunk takes every {n}-th token of every sequence shard)"
+    )
+
+
 def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, batch_shards: int) -> int:
   n = c["num_pipeline_microbatches"]
   if n == -1:
@@ -231,8 +278,14 @@ def parameter_count(c: dict[str, Any]) -> int:
 
 
 def validate_and_derive(
-  c: dict[str, Any], *, num_devices: int | None = None, num_slices: int | None = None, process_count: int | None = None
+  c: dict[str, Any],
+  *,
+  num_devices: int | None = None,
+  num_slices: int | None = None,
+  process_count: int | None = None,
+  platform: str | None = None,
 ) -> dict[str, Any]:
+  """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
   _check_positive(c)
@@ -268,6 +321,13 @@ def validate_and_derive(
     )
 
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
+  if platform is None:
+    import jax
+
+    platform = jax.default_backend()
+  sequence_shards = _activation_shards(c["logical_axis_rules"], "activation_length", mesh)
+  kernel = attention_kernel(c, platform, sequence_shards)
+  _check_vocab_tiling(c, sequence_shards)
 
   run_name = c["run_name"] or default_run_name()
   run_dir = paths.join(paths.absolute(c["base_output_directory"]), run_name)
@@ -292,5 +352,8 @@ def validate_and_derive(
     checkpoint_dir=paths.join(run_dir, "checkpoints"),
     metrics_file=paths.join(run_dir, "metrics.jsonl"),
     num_params=parameter_count(c),
+    attention_kernel=kernel,
+    # Off TPU the splash kernel runs in Pallas interpret mode (same numerics, for tests and CPU runs).
+    attention_interpret=kernel == "splash" and platform != "tpu",
   )
   return c

@@ -141,7 +141,7 @@ def report(
     f"mesh {mesh}) in {seconds:.1f} s",
     f"model {config.model_name}: {config.num_params / 1e9:.3f}B params, global batch "
     f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
-    f"weights {config.weight_dtype}, remat {config.remat_policy}",
+    f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
     "per device:",
     f"  params          {_gib(state_bytes['params'])}",
     f"  optimizer state {_gib(state_bytes['optimizer'])}",
@@ -192,7 +192,9 @@ def run(argv: Sequence[str]) -> int:
   devices = target_devices(target, num_slices)
   processes = len({d.process_index for d in devices})
   config = config_lib.Config(
-    derived.validate_and_derive(raw, num_devices=len(devices), num_slices=num_slices, process_count=processes)
+    derived.validate_and_derive(
+      raw, num_devices=len(devices), num_slices=num_slices, process_count=processes, platform=target.platform
+    )
   )
   start = time.perf_counter()
   lowered, state_bytes = lower_train_step(config, devices)

@@ -1,4 +1,9 @@
-"""Causal grouped-query self-attention that never attends across packed-segment boundaries."""
+"""Causal grouped-query self-attention that never attends across packed-segment boundaries.
+
+Three implementations of the same function (config key `attention`, resolved to `attention_kernel`):
+dot_product (XLA, materialises the [seq, seq] scores: fine on CPU and for short sequences), splash (the Pallas
+TPU flash kernel, layers/splash.py) and cudnn (jax.nn.dot_product_attention's cuDNN flash path on GPU).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from MaxLite.config import Config
 from MaxLite.layers.embeddings import apply_rope
 from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.layers.splash import splash_attention
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully padded rows stay NaN-free
@@ -34,6 +40,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
   return out.reshape(b, s, heads, d)
+
+
+def cudnn_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, implementation: str = "cudnn"
+) -> jax.Array:
+  """jax.nn.dot_product_attention (cuDNN flash attention on GPU; "xla" elsewhere). q is already scaled.
+
+  cuDNN takes the causal mask natively; packed segments reach it as a [batch, 1, seq, seq] boolean mask.
+  """
+  mask = attention_mask(segment_ids)[:, 0]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation=implementation)
 
 
 def cached_attention_mask(segment_ids: jax.Array, positions: jax.Array, cached_segments: jax.Array) -> jax.Array:
@@ -76,9 +93,13 @@ class Attention(nn.Module):
     q = q * jnp.asarray(cfg.head_dim**-0.5, q.dtype)
     if self.decode:
       k, v, mask = self._update_cache(k, v, segment_ids, positions)
+      out = dot_product_attention(q, k, v, mask)
+    elif cfg.attention_kernel == "splash":
+      out = splash_attention(q, k, v, segment_ids, cfg, interpret=cfg.attention_interpret)
+    elif cfg.attention_kernel == "cudnn":
+      out = cudnn_attention(q, k, v, segment_ids)
     else:
-      mask = attention_mask(segment_ids)
-    out = dot_product_attention(q, k, v, mask)
+      out = dot_product_attention(q, k, v, attention_mask(segment_ids))
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
 
     out = DenseGeneral(

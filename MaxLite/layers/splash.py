@@ -1,0 +1,103 @@
+"""Splash attention: jax's Pallas TPU flash-attention kernel, causal and packed-segment masked, under shard_map.
+
+The kernel never materialises the [seq, seq] scores: it walks blocks of queries and keys, skips the blocks the
+causal mask rules out, and keeps only a running max and sum per query row. On TPU it compiles to a Mosaic
+kernel; anywhere else it runs the same kernel code in Pallas interpret mode (slow, but numerically the same),
+which is how its forward and backward passes are tested on CPU.
+
+Layout across devices: the batch and query heads are split as the activations already are (the logical axes
+`activation_batch` and `activation_heads`), the query sequence is split over the `activation_length` axes, and
+keys/values are gathered along the sequence (each query block needs every earlier key).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax.linen import partitioning as nn_partitioning
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from MaxLite.config import Config
+from MaxLite.layers.splash_blocks import capped_blocks
+
+
+def block_sizes(config: Config, q_len: int, kv_len: int) -> kernel_lib.BlockSizes:
+  blocks = capped_blocks(config.to_dict(), q_len, kv_len)
+  fused = config.sa_use_fused_bwd_kernel
+  return kernel_lib.BlockSizes(
+    block_q=blocks["sa_block_q"],
+    block_kv=blocks["sa_block_kv"],
+    block_kv_compute=blocks["sa_block_kv_compute"],
+    block_q_dkv=blocks["sa_block_q_dkv"],
+    block_kv_dkv=blocks["sa_block_kv_dkv"],
+    block_kv_dkv_compute=blocks["sa_block_kv_dkv_compute"],
+    block_q_dq=None if fused else blocks["sa_block_q_dq"],
+    block_kv_dq=None if fused else blocks["sa_block_kv_dq"],
+    use_fused_bwd_kernel=fused,
+  )
+
+
+def _mesh_axes(logical: tuple[str | None, ...]) -> tuple:
+  """Mesh axes of a logical activation layout under the active rules, as a PartitionSpec tuple."""
+  return tuple(nn_partitioning.logical_to_mesh_axes(logical))
+
+
+def _size(mesh: jax.sharding.AbstractMesh, axes) -> int:
+  if axes is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def splash_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, config: Config, interpret: bool
+) -> jax.Array:
+  """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled."""
+  mesh = jax.sharding.get_abstract_mesh()
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel wants [heads, seq, d] per example
+  heads, seq = q.shape[1], q.shape[2]
+  if mesh is None or mesh.empty:
+    batch_axes = head_axes = seq_axes = None
+  else:
+    batch_axes, head_axes, seq_axes, _ = _mesh_axes(
+      ("activation_batch", "activation_heads", "activation_length", "activation_kv")
+    )
+  head_shards, seq_shards = (1, 1) if mesh is None or mesh.empty else (_size(mesh, head_axes), _size(mesh, seq_axes))
+  kv_heads = k.shape[1]
+  if kv_heads % head_shards:
+    # Fewer kv heads than head shards (MQA / narrow GQA under tensor parallelism): give every shard its own
+    # copy of the kv head its query heads use, so each shard's local query -> kv grouping stays right.
+    k, v = (jnp.repeat(x, head_shards // kv_heads, axis=1) for x in (k, v))
+
+  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq, seq)) for _ in range(heads)])
+  kernel = kernel_lib.make_splash_mha(
+    mask,
+    block_sizes=block_sizes(config, seq // seq_shards, seq),
+    head_shards=head_shards,
+    q_seq_shards=seq_shards,
+    interpret=interpret,
+  )
+
+  def attend(kernel, q, k, v, q_segments, kv_segments):
+    per_example = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks))
+    return jax.vmap(per_example)(q, k, v, q_segments, kv_segments)
+
+  if mesh is None or mesh.empty:
+    out = attend(kernel, q, k, v, segment_ids, segment_ids)
+  else:
+    q_spec = P(batch_axes, head_axes, seq_axes, None)
+    kv_spec = P(batch_axes, head_axes, None, None)
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, seq_axes)))
+    sharded = jax.shard_map(
+      attend,
+      mesh=mesh,
+      in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axes, seq_axes), P(batch_axes, None)),
+      out_specs=q_spec,
+      check_vma=False,
+    )
+    out = sharded(kernel, q, k, v, segment_ids, segment_ids)
+  return jnp.swapaxes(out, 1, 2)
