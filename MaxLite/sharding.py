@@ -42,6 +42,31 @@ def logical_axis_is_split(name: str) -> bool:
   return False
 
 
+HOST, DEVICE = "pinned_host", "device"
+
+
+def with_host_offload(state_shardings: Any, config: Config) -> Any:
+  """The train state's shardings with params and/or optimizer state kept in pinned host memory between steps
+  (parameter_memory_host_offload / optimizer_memory_host_offload); the step moves them to the device and back."""
+
+  def host(tree: Any) -> Any:
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST), tree, is_leaf=_is_sharding)
+
+  replace = {}
+  if config.parameter_memory_host_offload:
+    replace["params"] = host(state_shardings.params)
+  if config.optimizer_memory_host_offload:
+    replace["opt_state"] = host(state_shardings.opt_state)
+  return state_shardings.replace(**replace) if replace else state_shardings
+
+
+def on_device(tree: Any, shardings: Any) -> Any:
+  """Inside jit: `tree` moved to device memory (a no-op for arrays already there)."""
+  if all(s.memory_kind in (None, DEVICE) for s in jax.tree.leaves(shardings, is_leaf=_is_sharding)):
+    return tree
+  return jax.device_put(tree, jax.tree.map(lambda s: s.with_memory_kind(DEVICE), shardings, is_leaf=_is_sharding))
+
+
 def batch_sharding(mesh: Mesh, config: Config) -> NamedSharding:
   """Input batches [batch, seq] are split on the batch axes only; the model reshards the sequence."""
   return logical_to_sharding(PartitionSpec("activation_batch", None), mesh, config)

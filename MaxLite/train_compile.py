@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from MaxLite import cli, derived, paths, topologies
+from MaxLite import buffer_report, cli, derived, paths, topologies
 from MaxLite import config as config_lib
 from MaxLite.errors import ConfigError
 
 DOES_NOT_FIT = 3
 
 
-def prepare_backend(target: topologies.Target, repo: str | None = None) -> None:
-  """Environment for the target; must run before jax is imported."""
+def prepare_backend(target: topologies.Target, repo: str | None = None, dump_dir: str | None = None) -> None:
+  """Environment for the target; must run before jax is imported. dump_dir: where XLA writes the train
+  step's buffer reports (for the largest-buffers table)."""
   libtpu = topologies.find_libtpu(repo or paths.bundled_root()) if target.platform == "tpu" else None
   if target.platform == "tpu" and libtpu is None:
     raise ConfigError(
@@ -37,6 +40,8 @@ def prepare_backend(target: topologies.Target, repo: str | None = None) -> None:
       "or set TPU_LIBRARY_PATH to a libtpu.so"
     )
   os.environ["JAX_PLATFORMS"] = "cpu"  # the host backend only: no attempt to open a local TPU
+  if dump_dir:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + buffer_report.dump_flags(dump_dir, "train_step")
   if libtpu is not None:
     os.environ["TPU_LIBRARY_PATH"] = libtpu
     # Without these, libtpu probes the cloud metadata server for a local TPU and logs errors when it
@@ -87,6 +92,7 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     model, tx = Transformer(config), create_optimizer(config)
     abstract, _, shardings = abstract_state(model, tx, config, mesh)
+    shardings = sharding.with_host_offload(shardings, config)
     step = jit_train_step(config, shardings, sharding.batch_sharding(mesh, config), sharding.replicated(mesh))
     ids = jax.ShapeDtypeStruct((config.global_batch_size_to_train_on, config.max_target_length), jnp.int32)
     batch = {k: ids for k in BATCH_KEYS}
@@ -114,6 +120,10 @@ def out_of_memory(message: str) -> str | None:
   return f"DOES NOT FIT: {first}"
 
 
+def _where(offloaded: bool) -> str:
+  return " in host memory (offloaded)" if offloaded else ""
+
+
 def _gib(n: float) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -123,13 +133,24 @@ def _tflop(n: float) -> str:
 
 
 def report(
-  config: Any, target: topologies.Target, compiled: Any, state_bytes: dict, seconds: float
+  config: Any,
+  target: topologies.Target,
+  compiled: Any,
+  state_bytes: dict,
+  seconds: float,
+  buffers: Sequence[buffer_report.Buffer] = (),
 ) -> tuple[str, bool]:
   """The printed summary and whether the step fits in the chip's HBM."""
   from MaxLite.training import flops
 
   mem = compiled.memory_analysis()
   needed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  host = (
+    mem.host_argument_size_in_bytes
+    + mem.host_output_size_in_bytes
+    - mem.host_alias_size_in_bytes
+    + mem.host_temp_size_in_bytes
+  )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0
@@ -143,13 +164,20 @@ def report(
     f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
     f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
     "per device:",
-    f"  params          {_gib(state_bytes['params'])}",
-    f"  optimizer state {_gib(state_bytes['optimizer'])}",
+    f"  params          {_gib(state_bytes['params'])}{_where(config.parameter_memory_host_offload)}",
+    f"  optimizer state {_gib(state_bytes['optimizer'])}{_where(config.optimizer_memory_host_offload)}",
     f"  arguments       {_gib(mem.argument_size_in_bytes)} (state + batch, donated: "
     f"{_gib(mem.alias_size_in_bytes)} reused for outputs)",
     f"  outputs         {_gib(mem.output_size_in_bytes)}",
     f"  temporaries     {_gib(mem.temp_size_in_bytes)} (activations, gradients, collectives)",
-    f"  total needed    {_gib(needed)}",
+    f"  total needed    {_gib(needed)} of device memory",
+    f"  host memory     {_gib(host)} (arguments {_gib(mem.host_argument_size_in_bytes)}, temporaries "
+    f"{_gib(mem.host_temp_size_in_bytes)}: host-offloaded state and activations)",
+  ]
+  if buffers:
+    lines += ["largest buffers at the memory peak (size, shapes over time <- the ops that made them):"]
+    lines += buffer_report.format_buffers(list(buffers), _gib)
+  lines += [
     f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
     "(compiled includes rematerialisation and non-matmul work"
     + (
@@ -188,7 +216,15 @@ def run(argv: Sequence[str]) -> int:
     num_slices = 1
   if num_slices < 1:
     raise ConfigError(f"compile_topology_num_slices must be >= 1 or -1, got {num_slices}")
-  prepare_backend(target)
+  dump_dir = tempfile.mkdtemp(prefix="maxlite_compile_")
+  try:
+    return _compile_and_report(raw, target, num_slices, dump_dir)
+  finally:
+    shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _compile_and_report(raw: dict, target: topologies.Target, num_slices: int, dump_dir: str) -> int:
+  prepare_backend(target, dump_dir=dump_dir)
   devices = target_devices(target, num_slices)
   processes = len({d.process_index for d in devices})
   config = config_lib.Config(
@@ -210,7 +246,8 @@ def run(argv: Sequence[str]) -> int:
       flush=True,
     )
     return DOES_NOT_FIT
-  text, fits = report(config, target, compiled, state_bytes, time.perf_counter() - start)
+  seconds = time.perf_counter() - start
+  text, fits = report(config, target, compiled, state_bytes, seconds, buffer_report.largest_buffers(dump_dir))
   print(text, flush=True)
   if config.compiled_trainstep_file:
     from jax.experimental import serialize_executable

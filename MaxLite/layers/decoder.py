@@ -26,15 +26,29 @@ _SAVE_NAMES = {
   "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
   "save_out_proj": ("out_proj",),
 }
+# MaxText's qkv_proj_offloaded and MaxLite's offloaded variant of save_dot_except_mlp.
+_OFFLOADED_NAMES = {"qkv_proj_offloaded": "save_qkv_proj", "save_dot_except_mlp_offloaded": "save_dot_except_mlp"}
 
 
 def remat_policy(name: str) -> Any:
-  """The jax.checkpoint policy for a remat_policy name ("full" saves nothing, recomputes all)."""
+  """The jax.checkpoint policy for a remat_policy name ("full" saves nothing, recomputes all).
+
+  The *_offloaded policies keep the same activations as their namesakes but in pinned host memory: copied out
+  during the forward pass, back in for the backward pass, instead of held in device memory or recomputed."""
+  policies = jax.checkpoint_policies
+  offload = dict(offload_src="device", offload_dst="pinned_host")
   if name == "full":
     return None
   if name == "minimal":
-    return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  return jax.checkpoint_policies.save_only_these_names(*_SAVE_NAMES[name])
+    return policies.checkpoint_dots_with_no_batch_dims
+  if name == "minimal_offloaded":
+    return policies.offload_dot_with_no_batch_dims(**offload)
+  if name in _OFFLOADED_NAMES:
+    names = _SAVE_NAMES[_OFFLOADED_NAMES[name]]
+    return policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names), **offload
+    )
+  return policies.save_only_these_names(*_SAVE_NAMES[name])
 
 
 class DecoderLayer(nn.Module):
@@ -137,6 +151,8 @@ def summarize_routing(per_layer: Any) -> Any:
 class Transformer(nn.Module):
   """Token ids [batch, seq] -> logits [batch, seq, vocab] (in the activation dtype).
 
+  return_hidden=True: (final hidden states [batch, seq, embed], output head [embed, vocab]) instead, both in the
+  activation dtype, so the loss can make the logits a chunk of tokens at a time (num_vocab_tiling).
   decode=True: attention layers keep a KV cache (apply with mutable=["cache"]); see decode.py.
   """
 
@@ -145,7 +161,9 @@ class Transformer(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+    self, ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, return_hidden: bool = False
+  ) -> jax.Array | tuple[jax.Array, jax.Array]:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
@@ -155,17 +173,25 @@ class Transformer(nn.Module):
       self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
     x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="decoder_norm")(x)
     if cfg.logits_via_embedding:
+      if return_hidden:
+        return x, self._head(embed.embedding.T)
       logits = embed.attend(x)
     else:
-      logits = DenseGeneral(
+      dense = DenseGeneral(
         cfg.vocab_size,
         ("embed", "vocab"),
         dtype=dtype,
         weight_dtype=wdtype,
         init_scale=cfg.dense_init_scale,
         name="logits_dense",
-      )(x)
+      )
+      if return_hidden and not self.is_initializing():
+        return x, self._head(self.variables["params"]["logits_dense"]["kernel"])  # the weight `dense` applies
+      logits = dense(x)
     return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+  def _head(self, weight: jax.Array) -> jax.Array:
+    return nn.with_logical_constraint(jnp.asarray(weight, dtype_of(self.config.dtype)), ("embed", "vocab"))
 
 
 def stack_layers(params: dict) -> dict:

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from MaxLite.config import Config
+from MaxLite.sharding import on_device
+from MaxLite.training import loss
 from MaxLite.training.optimizer import learning_rate_schedule
 from MaxLite.training.train_state import TrainState
 
@@ -18,23 +20,26 @@ Batch = dict[str, jax.Array]
 
 def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
   """Summed (not averaged) losses over real tokens, so microbatches add up to the full batch exactly."""
-  logits, extra = apply_fn(
+  tiled = config.num_vocab_tiling > 1
+  out, extra = apply_fn(
     {"params": params},
     batch["inputs"],
     batch["inputs_position"],
     batch["inputs_segmentation"],
+    return_hidden=tiled,
     rngs={"dropout": rng},
     mutable="intermediates",
   )
-  logits = logits.astype(jnp.float32)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  # One log-sum-exp over the vocabulary serves both the cross-entropy and the z-loss.
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-  xent = log_z - target_logit
-  z_loss = config.z_loss_multiplier * jnp.square(log_z)
+  if tiled:
+    hidden, head = out
+    xent_sum, z_sum = loss.tiled_loss_sums(
+      hidden, head, batch["targets"], mask, config.z_loss_multiplier, config.num_vocab_tiling
+    )
+  else:
+    xent_sum, z_sum = loss.loss_sums(out, batch["targets"], mask, config.z_loss_multiplier)
   tokens = jnp.sum(mask)
-  sums = {"xent_sum": jnp.sum(xent * mask), "z_sum": jnp.sum(z_loss * mask), "tokens": tokens}
+  sums = {"xent_sum": xent_sum, "z_sum": z_sum, "tokens": tokens}
   if "moe" in extra.get("intermediates", {}):
     moe = extra["intermediates"]["moe"][0]
     # Token-weighted like the other terms, so gradient accumulation and sharding leave it unchanged.
@@ -70,7 +75,12 @@ def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) 
   return grads, aux
 
 
-def train_step(state: TrainState, batch: Batch, *, config: Config) -> tuple[TrainState, dict]:
+def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: Any = None) -> tuple[TrainState, dict]:
+  """`shardings` (the state's): where host-offloaded params or optimizer state live, to bring them in."""
+  if shardings is not None:
+    state = state.replace(
+      params=on_device(state.params, shardings.params), opt_state=on_device(state.opt_state, shardings.opt_state)
+    )
   rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
   grads, aux = _gradients(state, batch, rng, config)
   tokens = jnp.maximum(aux["tokens"], 1.0)
@@ -90,14 +100,16 @@ def train_step(state: TrainState, batch: Batch, *, config: Config) -> tuple[Trai
   return new_state, metrics
 
 
-def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> dict:
+def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config, shardings: Any = None) -> dict:
+  if shardings is not None:
+    params = on_device(params, shardings)
   _, aux = loss_sums(params, apply_fn, batch, jax.random.key(0), config)
   return aux
 
 
 def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any):
   return jax.jit(
-    functools.partial(train_step, config=config),
+    functools.partial(train_step, config=config, shardings=state_shardings),
     in_shardings=(state_shardings, batch_sharding),
     out_shardings=(state_shardings, replicated),
     donate_argnums=0,
@@ -106,7 +118,7 @@ def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, re
 
 def jit_eval_step(config: Config, apply_fn: Any, param_shardings: Any, batch_sharding: Any, replicated: Any):
   return jax.jit(
-    functools.partial(eval_step, apply_fn=apply_fn, config=config),
+    functools.partial(eval_step, apply_fn=apply_fn, config=config, shardings=param_shardings),
     in_shardings=(param_shardings, batch_sharding),
     out_shardings=replicated,
   )

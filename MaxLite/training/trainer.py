@@ -100,6 +100,7 @@ def initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[An
   """(state, its shardings, step): the run's own latest checkpoint if any (auto-resume), else
   load_full_state_path, else a fresh init (with load_parameters_path's params if set)."""
   abstract, _, shardings = abstract_state(model, tx, config, mesh)
+  shardings = sharding_lib.with_host_offload(shardings, config)
   target = checkpointing.sharded_target(abstract, shardings)
   resumed = None
   if manager is not None:

@@ -1,0 +1,194 @@
+"""Attention implementations: splash (Pallas kernel, interpreted on CPU) and cudnn's wrapper equal dot_product."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import REPO, first_devices, make_config
+from flax.linen import partitioning as nn_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from MaxLite import derived, sharding, topologies
+from MaxLite.errors import ConfigError
+from MaxLite.layers.attention import attention_mask, cudnn_attention, dot_product_attention
+from MaxLite.layers.splash import splash_attention
+from MaxLite.mesh import create_mesh
+from MaxLite.training.trainer import train
+
+SEQ = 256
+# float32 on CPU: the kernel's blockwise softmax differs from one softmax by rounding only.
+FWD_ATOL, GRAD_ATOL = 2e-5, 1e-4
+
+
+def _packed_segments(batch: int) -> jax.Array:
+  """Rows with 3, 2 and 1 documents and trailing padding (segment 0), as the packer makes them."""
+  rows = [
+    [1] * 70 + [2] * 100 + [3] * 60 + [0] * 26,
+    [1] * 200 + [2] * 56,
+    [1] * 250 + [0] * 6,
+    [1] * 10 + [2] * 118 + [3] * 128,
+  ]
+  return jnp.asarray((rows * batch)[:batch], jnp.int32)
+
+
+def _qkv(batch: int, heads: int, kv_heads: int, head_dim: int = 64):
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (batch, SEQ, heads, head_dim)) * head_dim**-0.5
+  k = jax.random.normal(keys[1], (batch, SEQ, kv_heads, head_dim))
+  v = jax.random.normal(keys[2], (batch, SEQ, kv_heads, head_dim))
+  return q, k, v
+
+
+def _loss_and_grads(attend, q, k, v, segments):
+  # sin() weights every output differently, so a wrong element anywhere changes some gradient.
+  real = (segments != 0)[:, :, None, None]
+  loss = lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(attend(q, k, v, segments)), 0.0))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _reference(q, k, v, segments):
+  return dot_product_attention(q, k, v, attention_mask(segments))
+
+
+def _assert_same(got, want):
+  (loss, grads), (ref_loss, ref_grads) = got, want
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=GRAD_ATOL)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_splash_forward_and_gradients_equal_dot_product_on_packed_rows(heads, kv_heads):
+  config = make_config("model_name=tiny", f"max_target_length={SEQ}", "attention=splash")
+  q, k, v = _qkv(4, heads, kv_heads)
+  segments = _packed_segments(4)
+  splash = lambda q, k, v, s: splash_attention(q, k, v, s, config, interpret=True)
+  real = (segments != 0)[:, :, None, None]
+  np.testing.assert_allclose(
+    jnp.where(real, splash(q, k, v, segments), 0), jnp.where(real, _reference(q, k, v, segments), 0), atol=FWD_ATOL
+  )
+  _assert_same(_loss_and_grads(splash, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
+
+
+@pytest.mark.parametrize(
+  "mesh, kv_heads",
+  [
+    (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 2),
+    (("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"), 2),
+    (("ici_fsdp_parallelism=2", "ici_tensor_parallelism=4"), 1),  # MQA: the one kv head is copied per shard
+  ],
+  ids=["fsdp4_tensor2", "fsdp2_sequence2_tensor2", "mqa_tensor4"],
+)
+def test_splash_under_shard_map_equals_dot_product_on_8_devices(mesh, kv_heads):
+  config = make_config(
+    "model_name=tiny",
+    f"max_target_length={SEQ}",
+    "attention=splash",
+    "base_num_query_heads=8",
+    f"base_num_kv_heads={kv_heads}",
+    "per_device_batch_size=0.5",
+    *mesh,
+    num_devices=8,
+  )
+  device_mesh = create_mesh(config, first_devices(8))
+  q, k, v = _qkv(4, 8, kv_heads)
+  segments = _packed_segments(4)
+  with jax.set_mesh(device_mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
+    layout = nn_partitioning.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))
+    q = jax.device_put(q, NamedSharding(device_mesh, P(*layout)))
+    splash = lambda q, k, v, s: splash_attention(q, k, v, s, config, interpret=True)
+    got = _loss_and_grads(splash, q, k, v, segments)
+  _assert_same(got, _loss_and_grads(_reference, q, k, v, segments))
+
+
+def test_cudnn_wrapper_masks_like_dot_product():
+  """The cudnn path's own work (mask, scale, GQA layout) checked with jax's XLA implementation of the same
+  call; the cuDNN kernel itself needs a GPU."""
+  q, k, v = _qkv(4, 8, 2)
+  segments = _packed_segments(4)
+  xla = lambda q, k, v, s: cudnn_attention(q, k, v, s, implementation="xla")
+  _assert_same(_loss_and_grads(xla, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
+
+
+def test_training_with_splash_gives_the_dot_product_losses(tmp_path):
+  def losses(*overrides):
+    config = make_config(
+      "model_name=tiny",
+      f"max_target_length={SEQ}",
+      "steps=3",
+      "dataset_type=synthetic",
+      "enable_tensorboard=false",
+      "learning_rate=1e-2",
+      "warmup_steps_fraction=0.0",
+      f"base_output_directory={tmp_path}",
+      *overrides,
+    )
+    rows = train(config, first_devices(1))
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+  splash, dense = losses("attention=splash", "run_name=splash"), losses("attention=dot_product", "run_name=dense")
+  np.testing.assert_allclose(splash, dense, rtol=1e-5)
+
+
+def _derive(*overrides, platform="cpu", num_devices=1):
+  from MaxLite import config as config_lib
+
+  raw = config_lib.load_raw([os.path.join(REPO, "configs", "base.yml"), "model_name=tiny", *overrides])
+  return derived.validate_and_derive(raw, num_devices=num_devices, num_slices=1, process_count=1, platform=platform)
+
+
+def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
+  assert _derive()["attention_kernel"] == "dot_product"
+  tpu = _derive(platform="tpu")
+  assert (tpu["attention_kernel"], tpu["attention_interpret"]) == ("splash", False)
+  assert _derive(platform="gpu")["attention_kernel"] == "cudnn"
+  assert _derive("max_target_length=64", platform="tpu")["attention_kernel"] == "dot_product"
+  assert _derive("attention=flash")["attention_kernel"] == "splash"  # MaxText's name, interpreted on CPU
+  assert _derive("attention=flash")["attention_interpret"]
+
+
+@pytest.mark.parametrize(
+  "overrides, fragment",
+  [
+    (("attention=splash", "max_target_length=64"), "attention=splash needs max_target_length / sequence"),
+    (("attention=splash", "sa_block_q=100"), "sa_block_q=100 cannot tile the query length per shard 256"),
+    (("attention=splash", "sa_block_kv=256", "sa_block_kv_compute=384"), "sa_block_kv_compute=384 cannot tile"),
+    (("attention=cudnn",), "attention=cudnn needs a GPU (cuDNN flash attention); this run's devices are cpu"),
+    (("attention=fast",), "attention='fast' is not one of"),
+  ],
+)
+def test_unsupported_attention_settings_stop_with_one_line(overrides, fragment):
+  with pytest.raises(ConfigError, match=None) as error:
+    _derive(*overrides)
+  assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+_NO_SCORES = """
+import sys
+from MaxLite import config as config_lib, derived, topologies, train_compile
+target = topologies.parse("v5e-4")
+train_compile.prepare_backend(target)
+devices = train_compile.target_devices(target, 1)
+raw = config_lib.load_raw(sys.argv[1:])
+config = config_lib.Config(derived.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
+                                                       platform="tpu"))
+text = train_compile.lower_train_step(config, devices)[0].compile().as_text()
+print("SCORES" if ",1024,1024]" in text else "NO_SCORES", config.attention_kernel)
+"""
+
+
+@pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
+@pytest.mark.parametrize("attention, expected", [("splash", "NO_SCORES splash"), ("dot_product", "SCORES dot_product")])
+def test_splash_compiled_for_tpu_holds_no_seq_by_seq_scores(attention, expected):
+  args = ["configs/base.yml", "model_name=tiny", "max_target_length=1024", f"attention={attention}", "jax_cache_dir="]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+    [sys.executable, "-c", _NO_SCORES, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip().splitlines()[-1] == expected

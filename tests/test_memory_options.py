@@ -1,0 +1,170 @@
+"""Memory options: vocabulary-tiled loss, host offload of state and activations, the largest-buffers report."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import first_devices, make_config
+
+from MaxLite import buffer_report
+from MaxLite.data import BATCH_KEYS
+from MaxLite.errors import ConfigError
+from MaxLite.training import loss
+from MaxLite.training.trainer import train
+
+RUN = (
+  "model_name=tiny",
+  "max_target_length=128",
+  "steps=3",
+  "dataset_type=synthetic",
+  "enable_tensorboard=false",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0.0",
+  "z_loss_multiplier=1e-3",
+)
+
+
+def _losses(tmp_path, *overrides, num_devices=1):
+  config = make_config(*RUN, f"base_output_directory={tmp_path}", *overrides, num_devices=num_devices)
+  rows = train(config, first_devices(num_devices))
+  return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+@pytest.mark.parametrize("tiles", [2, 8])
+def test_tiled_loss_and_gradients_equal_the_untiled_ones(tiles):
+  keys = jax.random.split(jax.random.key(1), 3)
+  hidden = jax.random.normal(keys[0], (4, 64, 32))
+  head = jax.random.normal(keys[1], (32, 1000)) * 0.2
+  targets = jax.random.randint(keys[2], (4, 64), 0, 1000)
+  mask = jnp.ones((4, 64)).at[1, 40:].set(0.0).at[3, :5].set(0.0)
+
+  def untiled(hidden, head):
+    return sum(loss.loss_sums(jnp.einsum("bse,ev->bsv", hidden, head), targets, mask, 1e-3))
+
+  def tiled(hidden, head):
+    return sum(loss.tiled_loss_sums(hidden, head, targets, mask, 1e-3, tiles))
+
+  (want, want_grads), (got, got_grads) = (jax.value_and_grad(f, argnums=(0, 1))(hidden, head) for f in (untiled, tiled))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_loss_never_holds_the_whole_logits():
+  hidden, head = jnp.zeros((8, 512, 64)), jnp.zeros((64, 4096))
+  targets, mask = jnp.zeros((8, 512), jnp.int32), jnp.ones((8, 512))
+
+  def temp_bytes(fn):
+    grad = jax.jit(jax.grad(lambda h, w: sum(fn(h, w)), argnums=(0, 1)))
+    return grad.lower(hidden, head).compile().memory_analysis().temp_size_in_bytes
+
+  whole = 8 * 512 * 4096 * 4  # the float32 logits
+  untiled = temp_bytes(lambda h, w: loss.loss_sums(jnp.einsum("bse,ev->bsv", h, w), targets, mask, 0.0))
+  tiled = temp_bytes(lambda h, w: loss.tiled_loss_sums(h, w, targets, mask, 0.0, 16))
+  assert untiled >= whole > 4 * tiled
+
+
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_training_with_vocab_tiling_matches_untiled(tmp_path, tied):
+  tied = f"logits_via_embedding={tied}"
+  np.testing.assert_allclose(
+    _losses(tmp_path, tied, "num_vocab_tiling=4", "run_name=tiled"),
+    _losses(tmp_path, tied, "run_name=untiled"),
+    rtol=1e-5,
+  )
+
+
+def test_vocab_tiling_on_8_devices_with_sequence_and_tensor_split(tmp_path):
+  layout = ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2")
+  np.testing.assert_allclose(
+    _losses(tmp_path, "num_vocab_tiling=4", "per_device_batch_size=0.5", *layout, "run_name=t8", num_devices=8),
+    _losses(tmp_path, "run_name=one"),
+    rtol=1e-5,
+  )
+
+
+def test_vocab_tiling_that_cannot_split_the_sequence_is_one_line():
+  with pytest.raises(ConfigError, match=r"num_vocab_tiling=3 must divide max_target_length=128"):
+    make_config(*RUN, "num_vocab_tiling=3")
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    ("remat_policy=minimal_offloaded",),
+    ("remat_policy=qkv_proj_offloaded",),
+    ("remat_policy=save_dot_except_mlp_offloaded",),
+    ("parameter_memory_host_offload=true", "optimizer_memory_host_offload=true"),
+  ],
+  ids=["minimal_offloaded", "qkv_proj_offloaded", "save_dot_except_mlp_offloaded", "state_offload"],
+)
+def test_host_offload_trains_like_device_memory(tmp_path, overrides):
+  np.testing.assert_allclose(
+    _losses(tmp_path, *overrides, "run_name=offloaded"), _losses(tmp_path, "run_name=device"), rtol=1e-6
+  )
+
+
+def test_offloaded_state_lives_in_host_memory_and_the_step_moves_it(tmp_path):
+  from MaxLite import sharding
+  from MaxLite.layers.decoder import Transformer
+  from MaxLite.mesh import create_mesh
+  from MaxLite.training.optimizer import create_optimizer
+  from MaxLite.training.train_state import abstract_state, create_train_state
+  from MaxLite.training.train_step import jit_train_step
+
+  config = make_config(*RUN, "parameter_memory_host_offload=true", "optimizer_memory_host_offload=true")
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh):
+    model, tx = Transformer(config), create_optimizer(config)
+    _, _, shardings = abstract_state(model, tx, config, mesh)
+    shardings = sharding.with_host_offload(shardings, config)
+    state = create_train_state(model, tx, config, shardings)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves((state.params, state.opt_state))}
+    assert kinds == {"pinned_host"}
+    step = jit_train_step(config, shardings, sharding.batch_sharding(mesh, config), sharding.replicated(mesh))
+    batch = {k: jnp.ones((config.micro_batch_size, config.max_target_length), jnp.int32) for k in BATCH_KEYS}
+    new_state, metrics = step(state, jax.device_put(batch, sharding.batch_sharding(mesh, config)))
+  assert np.isfinite(float(metrics["loss"]))
+  kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves((new_state.params, new_state.opt_state))}
+  assert kinds == {"pinned_host"}  # back in host memory after the step
+
+
+_REPORT = """Memory Space: default (color=0)
+Total bytes: 100 (1.0KiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+    4.00GiB( 19%);    4.00GiB;   3704127488;                2; 2×bf16[32,2,8192,4096]
+    4.50GiB( 21%);  512.00MiB;          512;                1; f32[2,512,32000]
+
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+    1.00GiB(100%);    1.00GiB;            0;                1; f32[1]
+"""
+_ASSIGNMENT = """allocation 0: size 512, parameter 1, shape |f32[4]| at ShapeIndex {}:
+ value: <1 param.1 @0> (size=512,offset=0): f32[4]
+allocation 1: size 4831838208, preallocated-temp:
+ value: <7 fusion.3 @0> (size=4294967296,offset=3704127488): bf16[32,2,8192,4096]
+ value: <8 while.2{2} (phi) @0> (size=4294967296,offset=3704127488): bf16[32,2,8192,4096]
+ value: <9 convert.5 @0> (size=536870912,offset=512): f32[2,512,32000]
+"""  # noqa: E501
+_HLO = (
+  "  %fusion.3 = bf16[32,2,8192,4096] fusion(%a), metadata={op_name="
+  '"jit(train_step)/jvp(Transformer)/decoder/while/body/dynamic_update_slice" stack_frame_id=3}\n'
+  '  %while.2 = (s32[]) while(%t), metadata={op_name="jit(train_step)/transpose(jvp(Transformer))/decoder/while"}\n'
+)
+
+
+def test_largest_buffers_join_xla_reports_with_op_names(tmp_path):
+  for suffix, text in (
+    ("memory-usage-report.txt", _REPORT),
+    ("after_optimizations-buffer-assignment.txt", _ASSIGNMENT),
+    ("after_optimizations.txt", _HLO),
+  ):
+    (tmp_path / f"module_0001.jit_train_step.{suffix}").write_text(text)
+  buffers = buffer_report.largest_buffers(str(tmp_path))
+  assert buffers == [
+    buffer_report.Buffer(
+      4 * 2**30, "2×bf16[32,2,8192,4096]", ("decoder/while/body/dynamic_update_slice", "backward: decoder/while")
+    ),
+    buffer_report.Buffer(512 * 2**20, "f32[2,512,32000]", ("convert.5 (XLA)",)),
+  ]
+  assert buffer_report.largest_buffers(str(tmp_path / "missing")) == []
