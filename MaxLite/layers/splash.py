@@ -67,11 +67,6 @@ def splash_attention(
       ("activation_batch", "activation_heads", "activation_length", "activation_kv")
     )
   head_shards, seq_shards = (1, 1) if mesh is None or mesh.empty else (_size(mesh, head_axes), _size(mesh, seq_axes))
-  kv_heads = k.shape[1]
-  if kv_heads % head_shards:
-    # Fewer kv heads than head shards (MQA / narrow GQA under tensor parallelism): give every shard its own
-    # copy of the kv head its query heads use, so each shard's local query -> kv grouping stays right.
-    k, v = (jnp.repeat(x, head_shards // kv_heads, axis=1) for x in (k, v))
 
   mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq, seq)) for _ in range(heads)])
   kernel = kernel_lib.make_splash_mha(
