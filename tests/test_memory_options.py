@@ -1,12 +1,17 @@
 """Memory options: vocabulary-tiled loss, host offload of state and activations, the largest-buffers report."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import first_devices, make_config
+from conftest import REPO, first_devices, make_config
 
-from MaxLite import buffer_report
+from MaxLite import buffer_report, topologies
 from MaxLite.data import BATCH_KEYS
 from MaxLite.errors import ConfigError
 from MaxLite.training import loss
@@ -168,3 +173,54 @@ def test_largest_buffers_join_xla_reports_with_op_names(tmp_path):
     buffer_report.Buffer(512 * 2**20, "f32[2,512,32000]", ("convert.5 (XLA)",)),
   ]
   assert buffer_report.largest_buffers(str(tmp_path / "missing")) == []
+
+
+def test_bfloat16_cast_equals_xla_convert_bit_for_bit_and_differentiates_like_it():
+  from MaxLite.layers.linears import cast_weight
+
+  w = jax.random.normal(jax.random.key(0), (100_000,)) * jnp.logspace(-40, 38, 100_000)
+  w = jnp.concatenate([w, jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0, 3.4e38, 1e-45, 1.0000001])])
+  as_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
+  np.testing.assert_array_equal(as_bits(cast_weight(w, jnp.bfloat16)), as_bits(w.astype(jnp.bfloat16)))
+  x = jax.random.normal(jax.random.key(1), (8, 64)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(2), (64, 32))
+  loss = lambda cast: lambda w: jnp.sum(jnp.sin((x @ cast(w)).astype(jnp.float32)))
+  np.testing.assert_array_equal(
+    jax.grad(loss(lambda w: cast_weight(w, jnp.bfloat16)))(w), jax.grad(loss(lambda w: w.astype(jnp.bfloat16)))(w)
+  )
+
+
+_STACKED_BF16 = """
+import json, re
+import jax
+from MaxLite import config as config_lib, derived, sharding, topologies, train_compile
+from MaxLite.layers.decoder import Transformer
+from MaxLite.mesh import create_mesh
+from MaxLite.training.optimizer import create_optimizer
+from MaxLite.training.train_state import abstract_state
+target = topologies.parse("v5p-8")
+train_compile.prepare_backend(target)
+devices = train_compile.target_devices(target, 1)
+raw = config_lib.load_raw(["configs/base.yml", "model_name=tiny", "dtype=bfloat16", "jax_cache_dir="])
+config = config_lib.Config(derived.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
+                                                       platform="tpu"))
+text = train_compile.lower_train_step(config, devices)[0].compile().as_text()
+mesh = create_mesh(config, devices)
+with jax.set_mesh(mesh):
+  abstract, _, shardings = abstract_state(Transformer(config), create_optimizer(config), config, mesh)
+stacked = abstract.params["decoder"]["layers"], shardings.params["decoder"]["layers"]
+layers = zip(*map(jax.tree.leaves, stacked))
+shapes = {"bf16[" + ",".join(map(str, s.shard_shape(a.shape))) + "]" for a, s in layers if a.ndim > 2}
+print(json.dumps({"stacked": sorted(shapes), "found": sorted(s for s in shapes if s in text)}))
+"""
+
+
+@pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
+def test_tpu_step_keeps_no_bfloat16_copy_of_the_stacked_layer_weights():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+    [sys.executable, "-c", _STACKED_BF16], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(result["stacked"]) >= 4 and result["found"] == []
