@@ -16,7 +16,7 @@ from absl import logging
 
 from MaxLite import cli, derived, paths, run_lock
 from MaxLite import config as config_lib
-from MaxLite.launch import distributed, preflight
+from MaxLite.launch import allocator, distributed, preflight
 
 _SHOWN_DERIVED = (
   "run_dir",
@@ -67,6 +67,7 @@ def run(argv: Sequence[str]) -> None:
 
 
 def main() -> None:
+  allocator.reexec_with_tcmalloc()
   cli.run_config_tool(run, __doc__)
 
 

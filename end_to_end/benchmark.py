@@ -17,6 +17,11 @@ import sys
 import tempfile
 import time
 
+from MaxLite.launch import allocator
+
+if __name__ == "__main__":
+  allocator.reexec_with_tcmalloc()  # the allocator a training run uses (train.py does the same)
+
 _START = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,6 +85,7 @@ def main(argv: list[str]) -> None:
         "mfu_vs_matmul_peak": round(tflops_per_device / peak, 4),
         "first_step_s": round(rows[0]["step_time_s"], 2),
         "launch_to_first_step_s": round(launch_to_first_step, 2),
+        "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "system",
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       }
     ),

@@ -149,7 +149,7 @@ def summarize_routing(per_layer: Any) -> Any:
 
 
 class Transformer(nn.Module):
-  """Token ids [batch, seq] -> logits [batch, seq, vocab] (in the activation dtype).
+  """Token ids [batch, seq] -> logits [batch, seq, vocab] in float32 (matmul inputs in the activation dtype).
 
   return_hidden=True: (final hidden states [batch, seq, embed], output head [embed, vocab]) instead, both in the
   activation dtype, so the loss can make the logits a chunk of tokens at a time (num_vocab_tiling).
@@ -183,6 +183,7 @@ class Transformer(nn.Module):
         dtype=dtype,
         weight_dtype=wdtype,
         init_scale=cfg.dense_init_scale,
+        output_dtype=jnp.float32,  # the loss needs float32 logits: accumulate into them, never round to dtype
         name="logits_dense",
       )
       if return_hidden and not self.is_initializing():

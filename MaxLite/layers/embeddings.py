@@ -36,7 +36,7 @@ class Embed(nn.Module):
     return jnp.take(table, ids, axis=0)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum("bse,ve->bsv", x, jnp.asarray(self.embedding, self.dtype))
+    return jnp.einsum("bse,ve->bsv", x, jnp.asarray(self.embedding, self.dtype), preferred_element_type=jnp.float32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

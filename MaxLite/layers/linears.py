@@ -62,6 +62,7 @@ class DenseGeneral(nn.Module):
   dtype: DType = jnp.float32
   weight_dtype: DType = jnp.float32
   init_scale: float = 1.0
+  output_dtype: DType | None = None  # None = dtype; float32 = accumulate and return float32 (the logits)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -87,7 +88,11 @@ class DenseGeneral(nn.Module):
       # the backward pass of this form about twice as fast as the same dot with 3D operands. Not when
       # the sequence is split: merging a split batch with a split sequence makes GSPMD regather.
       rows = x.shape[: x.ndim - n_in]
-      y = jnp.dot(x.reshape(-1, math.prod(in_dims)), kernel.reshape(math.prod(in_dims), -1))
+      y = jnp.dot(
+        x.reshape(-1, math.prod(in_dims)),
+        kernel.reshape(math.prod(in_dims), -1),
+        preferred_element_type=self.output_dtype,
+      )
       return y.reshape(*rows, *features)
     contract = (axis, tuple(range(n_in)))
-    return jax.lax.dot_general(x, kernel, (contract, ((), ())))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ())), preferred_element_type=self.output_dtype)

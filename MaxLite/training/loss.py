@@ -48,7 +48,9 @@ def tiled_loss_sums(
 
   @jax.checkpoint  # the backward pass makes each chunk's logits again instead of keeping them
   def chunk_sums(h: jax.Array, t: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
-    logits = nn.with_logical_constraint(jnp.einsum("bse,ev->bsv", h, head), LOGITS_AXES)
+    logits = nn.with_logical_constraint(
+      jnp.einsum("bse,ev->bsv", h, head, preferred_element_type=jnp.float32), LOGITS_AXES
+    )
     return loss_sums(logits, t, m, z_loss_multiplier)
 
   def step(carry, chunk):
