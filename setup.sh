@@ -71,6 +71,19 @@ if [[ "$AOT" == 1 && "$DEVICE" != tpu ]]; then
   fi
 fi
 
+# tcmalloc: train.py re-execs itself under it when present, so XLA's large per-step host buffers are reused
+# instead of page-faulted in again every step (about 15% faster CPU steps; MAXLITE_TCMALLOC=0 turns it off). A
+# system package, so it is installed only where apt-get runs as root; elsewhere the line below says what to do.
+if [[ "$(uname)" == Linux ]] && ! compgen -G "/usr/lib*/*/libtcmalloc*.so.4" > /dev/null \
+   && ! compgen -G "/usr/lib*/libtcmalloc*.so.4" > /dev/null; then
+  if command -v apt-get > /dev/null && [[ "$(id -u)" == 0 ]] \
+     && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 > /dev/null 2>&1; then
+    echo "installed libtcmalloc-minimal4 (used by train.py)"
+  else
+    echo "note: for faster CPU training install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4; Fedora: gperftools-libs)"
+  fi
+fi
+
 # Check what was installed without starting a jax runtime (on a TPU VM that would take the chips, and on a pod
 # worker it would wait for the other hosts).
 DEVICE="$DEVICE" "$PYTHON" -m MaxLite.launch.install_check

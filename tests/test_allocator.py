@@ -1,0 +1,51 @@
+"""tcmalloc for training processes: the re-exec decision and the re-exec itself."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from MaxLite.launch import allocator
+
+
+def test_preload_env_adds_tcmalloc_once_and_respects_the_switch(tmp_path):
+  lib = "/usr/lib/libtcmalloc_minimal.so.4"
+  assert allocator.preload_env({"PATH": "/bin"}, lib) == {"PATH": "/bin", "LD_PRELOAD": lib}
+  assert allocator.preload_env({"LD_PRELOAD": "/x/libfoo.so"}, lib)["LD_PRELOAD"] == f"{lib} /x/libfoo.so"
+  assert allocator.preload_env({"LD_PRELOAD": lib}, lib) is None  # after the re-exec: no second one
+  assert allocator.preload_env({"MAXLITE_TCMALLOC": "0"}, lib) is None
+  assert allocator.preload_env({}, None) is None  # not installed: the system allocator
+  present = tmp_path / "libtcmalloc.so.4"
+  present.write_bytes(b"")
+  assert allocator.tcmalloc_path((str(tmp_path / "missing.so"), str(present))) == str(present)
+
+
+_SHOW_ALLOCATOR = """
+import os, sys
+from MaxLite.launch import allocator
+allocator.reexec_with_tcmalloc()
+print(os.getpid(), "tcmalloc" in open("/proc/self/maps").read(), sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(allocator.tcmalloc_path() is None, reason="no tcmalloc on this system (libtcmalloc-minimal4)")
+def test_reexec_keeps_pid_and_arguments_and_loads_tcmalloc(tmp_path):
+  script = tmp_path / "entry.py"  # an entry point, as train.py is
+  script.write_text(_SHOW_ALLOCATOR)
+  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MAXLITE_TCMALLOC")}
+  proc = subprocess.Popen(
+    [sys.executable, str(script), "a=1", "b c"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+  )
+  out, _ = proc.communicate(timeout=120)
+  assert out.strip().split(maxsplit=2) == [str(proc.pid), "True", "['a=1', 'b c']"]
+  off = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=REPO,
+    env={**env, "MAXLITE_TCMALLOC": "0"},
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert off.stdout.split()[1] == "False"
