@@ -74,10 +74,11 @@ fi
 # tcmalloc: train.py re-execs itself under it when present, so XLA's large per-step host buffers are reused
 # instead of page-faulted in again every step (about 15% faster CPU steps; MAXLITE_TCMALLOC=0 turns it off). A
 # system package, so it is installed only where apt-get runs as root; elsewhere the line below says what to do.
-if [[ "$(uname)" == Linux ]] && ! compgen -G "/usr/lib*/*/libtcmalloc*.so.4" > /dev/null \
-   && ! compgen -G "/usr/lib*/libtcmalloc*.so.4" > /dev/null; then
+apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" > /dev/null 2>&1; }
+if [[ "$(uname)" == Linux ]] \
+   && ! "$PYTHON" -c 'from MaxLite.launch.allocator import tcmalloc_path as t; raise SystemExit(t() is None)'; then
   if command -v apt-get > /dev/null && [[ "$(id -u)" == 0 ]] \
-     && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 > /dev/null 2>&1; then
+     && { apt_install libtcmalloc-minimal4 || { apt-get update -q > /dev/null 2>&1 && apt_install libtcmalloc-minimal4; }; }; then
     echo "installed libtcmalloc-minimal4 (used by train.py)"
   else
     echo "note: for faster CPU training install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4; Fedora: gperftools-libs)"

@@ -26,12 +26,18 @@ _WRAPPER = re.compile(r"^\w+\(.*\)$")
 class Buffer:
   size: int  # bytes
   shapes: str  # XLA's list of the shapes sharing this buffer over time, e.g. "5×bf16[32,2,8192,4096]"
-  ops: tuple[str, ...]  # source op names of the values placed there (most informative first)
+  ops: tuple[str, ...]  # source op names of the values placed there, in the buffer assignment's order
 
 
 def dump_flags(dump_dir: str, module: str) -> str:
   """XLA_FLAGS that make the compiler dump `module`'s optimized HLO and buffer reports into dump_dir."""
   return f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re={module} --xla_dump_hlo_pass_re=NOTHING"
+
+
+def dump_dir_in(xla_flags: str) -> str | None:
+  """The directory an --xla_dump_to flag already in XLA_FLAGS names (XLA keeps the last one), or None."""
+  found = re.findall(r"--xla_dump_to=(\S+)", xla_flags)
+  return found[-1] if found else None
 
 
 def _one(dump_dir: str, suffix: str) -> str | None:

@@ -11,9 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from MaxLite import paths
+from MaxLite import attention_choice, paths
 from MaxLite.errors import ConfigError
-from MaxLite.layers import splash_blocks
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 # Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
@@ -37,10 +36,6 @@ REMAT_POLICIES = (
   "qkv_proj_offloaded",
   "save_dot_except_mlp_offloaded",
 )
-# The attention key's values; MaxText's spellings map onto MaxLite's (flash is its TPU splash kernel).
-ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax")
-_ATTENTION_ALIASES = {"flash": "splash", "cudnn_flash_jax": "cudnn"}
-_AUTOSELECTED = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
 
@@ -105,7 +100,7 @@ def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[
 def _check_choices(c: dict[str, Any]) -> None:
   for key, choices in (
     ("remat_policy", REMAT_POLICIES),
-    ("attention", ATTENTION),
+    ("attention", attention_choice.ATTENTION),
     ("dtype", DTYPES),
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
@@ -224,25 +219,6 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
     )
 
 
-def attention_kernel(c: dict[str, Any], platform: str, sequence_shards: int) -> str:
-  """The attention implementation this run uses on `platform`, after checking it can run there."""
-  name = _ATTENTION_ALIASES.get(c["attention"], c["attention"])
-  if name == "autoselected":
-    name = _AUTOSELECTED.get(platform, "dot_product")
-    if name == "splash" and splash_blocks.tiling_problem(c, sequence_shards):
-      name = "dot_product"  # autoselected never picks a kernel that cannot tile the sequence
-  if name == "cudnn" and _AUTOSELECTED.get(platform) != "cudnn":
-    raise ConfigError(
-      f"attention={c['attention']} needs a GPU (cuDNN flash attention); this run's devices are "
-      f"{platform}: use attention=dot_product or autoselected"
-    )
-  if name == "splash":
-    problem = splash_blocks.tiling_problem(c, sequence_shards)
-    if problem:
-      raise ConfigError(problem)
-  return name
-
-
 def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
   n = c["num_vocab_tiling"]
   if n > 1 and c["max_target_length"] % (n * sequence_shards):
@@ -326,7 +302,8 @@ def validate_and_derive(
 
     platform = jax.default_backend()
   sequence_shards = _activation_shards(c["logical_axis_rules"], "activation_length", mesh)
-  kernel = attention_kernel(c, platform, sequence_shards)
+  head_shards = _activation_shards(c["logical_axis_rules"], "activation_heads", mesh)
+  kernel = attention_choice.attention_kernel(c, platform, sequence_shards, head_shards)
   _check_vocab_tiling(c, sequence_shards)
 
   run_name = c["run_name"] or default_run_name()

@@ -9,14 +9,19 @@ Every key of configs/base.yml can be set as key=value. The run writes <base_outp
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from MaxLite.launch import allocator
+
+if __name__ == "__main__":
+  allocator.reexec_with_tcmalloc()  # before jax is imported (console scripts re-exec in main(), a little later)
+
+import os  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 from absl import logging
 
 from MaxLite import cli, derived, paths, run_lock
 from MaxLite import config as config_lib
-from MaxLite.launch import allocator, distributed, preflight
+from MaxLite.launch import distributed, preflight
 
 _SHOWN_DERIVED = (
   "run_dir",

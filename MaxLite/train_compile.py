@@ -216,6 +216,9 @@ def run(argv: Sequence[str]) -> int:
     num_slices = 1
   if num_slices < 1:
     raise ConfigError(f"compile_topology_num_slices must be >= 1 or -1, got {num_slices}")
+  users_dump = buffer_report.dump_dir_in(os.environ.get("XLA_FLAGS", ""))
+  if users_dump:  # the user's own XLA dump: read the reports from it, change nothing there
+    return _compile_and_report(raw, target, num_slices, users_dump, add_dump_flags=False)
   dump_dir = tempfile.mkdtemp(prefix="maxlite_compile_")
   try:
     return _compile_and_report(raw, target, num_slices, dump_dir)
@@ -223,8 +226,10 @@ def run(argv: Sequence[str]) -> int:
     shutil.rmtree(dump_dir, ignore_errors=True)
 
 
-def _compile_and_report(raw: dict, target: topologies.Target, num_slices: int, dump_dir: str) -> int:
-  prepare_backend(target, dump_dir=dump_dir)
+def _compile_and_report(
+  raw: dict, target: topologies.Target, num_slices: int, dump_dir: str, add_dump_flags: bool = True
+) -> int:
+  prepare_backend(target, dump_dir=dump_dir if add_dump_flags else None)
   devices = target_devices(target, num_slices)
   processes = len({d.process_index for d in devices})
   config = config_lib.Config(

@@ -12,7 +12,8 @@ from MaxLite.launch import allocator
 
 def test_preload_env_adds_tcmalloc_once_and_respects_the_switch(tmp_path):
   lib = "/usr/lib/libtcmalloc_minimal.so.4"
-  assert allocator.preload_env({"PATH": "/bin"}, lib) == {"PATH": "/bin", "LD_PRELOAD": lib}
+  quiet = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**40)}  # no stderr line per buffer over 1 GiB
+  assert allocator.preload_env({"PATH": "/bin"}, lib) == {**quiet, "PATH": "/bin", "LD_PRELOAD": lib}
   assert allocator.preload_env({"LD_PRELOAD": "/x/libfoo.so"}, lib)["LD_PRELOAD"] == f"{lib} /x/libfoo.so"
   assert allocator.preload_env({"LD_PRELOAD": lib}, lib) is None  # after the re-exec: no second one
   assert allocator.preload_env({"MAXLITE_TCMALLOC": "0"}, lib) is None
@@ -40,6 +41,15 @@ def test_reexec_keeps_pid_and_arguments_and_loads_tcmalloc(tmp_path):
   )
   out, _ = proc.communicate(timeout=120)
   assert out.strip().split(maxsplit=2) == [str(proc.pid), "True", "['a=1', 'b c']"]
+  as_module = subprocess.run(  # python -m and interpreter options come back as they were
+    [sys.executable, "-X", "utf8", "-c", _SHOW_ALLOCATOR + "print(sys.flags.utf8_mode)", "x"],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert as_module.stdout.split()[1:] == ["True", "['x']", "1"], as_module.stderr[-2000:]
   off = subprocess.run(
     [sys.executable, str(script)],
     cwd=REPO,

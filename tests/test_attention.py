@@ -135,6 +135,16 @@ def test_training_with_splash_gives_the_dot_product_losses(tmp_path):
   np.testing.assert_allclose(splash, dense, rtol=1e-5)
 
 
+def test_splash_heads_must_split_over_the_rules_head_shards():
+  rules = (
+    '[["activation_batch", ["fsdp"]], ["activation_heads", ["tensor", "data"]], ["activation_kv_heads", ["tensor"]],'
+    ' ["activation_length", ["sequence"]], ["embed", ["fsdp"]], ["vocab", ["tensor"]], ["layers", ["stage"]]]'
+  )
+  layout = ("ici_data_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1")
+  with pytest.raises(ConfigError, match=r"base_num_kv_heads=2 does not split over the 4 shards"):
+    _derive("attention=splash", f"logical_axis_rules={rules}", *layout, num_devices=4)
+
+
 def _derive(*overrides, platform="cpu", num_devices=1):
   from MaxLite import config as config_lib
 
@@ -146,7 +156,11 @@ def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
   assert _derive()["attention_kernel"] == "dot_product"
   tpu = _derive(platform="tpu")
   assert (tpu["attention_kernel"], tpu["attention_interpret"]) == ("splash", False)
-  assert _derive(platform="gpu")["attention_kernel"] == "cudnn"
+  assert _derive(platform="gpu")["attention_kernel"] == "dot_product"  # float32: cuDNN takes bfloat16 only
+  assert _derive("dtype=bfloat16", platform="gpu")["attention_kernel"] == "cudnn"
+  assert _derive("dtype=bfloat16", "ici_sequence_parallelism=2", platform="gpu", num_devices=2)["attention_kernel"] == (
+    "dot_product"
+  )
   assert _derive("max_target_length=64", platform="tpu")["attention_kernel"] == "dot_product"
   assert _derive("attention=flash")["attention_kernel"] == "splash"  # MaxText's name, interpreted on CPU
   assert _derive("attention=flash")["attention_interpret"]
@@ -159,13 +173,18 @@ def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
     (("attention=splash", "sa_block_q=100"), "sa_block_q=100 cannot tile the query length per shard 256"),
     (("attention=splash", "max_target_length=1024", "sa_block_kv_compute=384"), "sa_block_kv_compute=384 cannot"),
     (("attention=splash", "max_target_length=1024", "sa_block_kv=256"), "sa_block_kv_compute must divide sa_block_kv"),
-    (("attention=cudnn",), "attention=cudnn needs a GPU (cuDNN flash attention); this run's devices are cpu"),
+    (("attention=cudnn",), "attention=cudnn needs an NVIDIA GPU (cuDNN flash attention); this run's devices are cpu"),
     (("attention=fast",), "attention='fast' is not one of"),
+    (("attention=cudnn", "dtype=float32"), "takes bfloat16 activations only (cuDNN's fused attention); dtype=float32"),
+    (
+      ("attention=splash",),
+      "attention=splash is a TPU kernel (interpreted on CPU for tests); this run's devices are gpu",
+    ),
   ],
 )
 def test_unsupported_attention_settings_stop_with_one_line(overrides, fragment):
   with pytest.raises(ConfigError) as error:
-    _derive(*overrides)
+    _derive(*overrides, platform="gpu" if "gpu" in fragment or "cuDNN's" in fragment else "cpu")
   assert fragment in str(error.value) and "\n" not in str(error.value)
 
 

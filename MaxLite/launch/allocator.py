@@ -32,16 +32,18 @@ def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] |
   if library is None or env.get("MAXLITE_TCMALLOC", "1") == "0" or "tcmalloc" in env.get("LD_PRELOAD", ""):
     return None
   preload = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
-  return {**env, "LD_PRELOAD": preload}
+  # tcmalloc reports every allocation over 1 GiB on stderr by default; a model's buffers are routinely larger.
+  return {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**40), **env, "LD_PRELOAD": preload}
 
 
-def reexec_with_tcmalloc(argv: Sequence[str] | None = None) -> None:
-  """Replace this process (same pid, same arguments) with one that has tcmalloc preloaded; a no-op otherwise.
-  Call first thing in an entry point's main: nothing done before it survives."""
+def reexec_with_tcmalloc() -> None:
+  """Replace this process (same pid, same interpreter options and arguments: a script, -m or -c run alike) with
+  one that has tcmalloc preloaded; a no-op otherwise. Call first thing in an entry point: nothing done before it
+  survives."""
   if sys.platform != "linux":
     return
   env = preload_env(os.environ, tcmalloc_path())
   if env is not None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *(sys.argv if argv is None else argv)], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -151,8 +151,8 @@ def summarize_routing(per_layer: Any) -> Any:
 class Transformer(nn.Module):
   """Token ids [batch, seq] -> logits [batch, seq, vocab] in float32 (matmul inputs in the activation dtype).
 
-  return_hidden=True: (final hidden states [batch, seq, embed], output head [embed, vocab]) instead, both in the
-  activation dtype, so the loss can make the logits a chunk of tokens at a time (num_vocab_tiling).
+  return_hidden=True: (final hidden states [batch, seq, embed] in the activation dtype, output head [embed, vocab]
+  in the weight dtype) instead, so the loss can make the logits a chunk of tokens at a time (num_vocab_tiling).
   decode=True: attention layers keep a KV cache (apply with mutable=["cache"]); see decode.py.
   """
 
@@ -192,7 +192,8 @@ class Transformer(nn.Module):
     return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
   def _head(self, weight: jax.Array) -> jax.Array:
-    return nn.with_logical_constraint(jnp.asarray(weight, dtype_of(self.config.dtype)), ("embed", "vocab"))
+    # In the weight dtype: the tiled loss casts it per chunk, so the chunks' gradients add up in that dtype.
+    return nn.with_logical_constraint(weight, ("embed", "vocab"))
 
 
 def stack_layers(params: dict) -> dict:

@@ -34,8 +34,10 @@ def _bfloat16_in_loop(w: jax.Array) -> jax.Array:
   the whole step (3 GiB per device for Llama 2 7B on v5p-8). Integer ops on the slice stay in the loop. Their
   derivative is zero, so the custom VJP gives the cast's true one: the cotangent back in float32."""
   bits = jax.lax.bitcast_convert_type(w, jnp.uint32)
-  rounded = bits + (0x7FFF + ((bits >> 16) & 1))
-  return jax.lax.bitcast_convert_type((rounded >> 16).astype(jnp.uint16), jnp.bfloat16)
+  rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+  quiet_nan = (bits >> 16) | 0x40  # a NaN stays a NaN (rounding its payload could carry into inf or zero)
+  high = jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded)
+  return jax.lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.bfloat16)
 
 
 def _cast_fwd(w: jax.Array) -> tuple[jax.Array, None]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
-from MaxLite.layers.linears import DenseGeneral
+from MaxLite.layers.linears import DenseGeneral, cast_weight
 from MaxLite.layers.quantities import dtype_of
 
 # Dispatched activations: [experts, batch, capacity, features]. Their batch must not use the expert
@@ -97,7 +97,7 @@ class MoeBlock(nn.Module):
       init = nn.initializers.variance_scaling(
         cfg.dense_init_scale, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=(0,)
       )
-      return jnp.asarray(self.param(name, nn.with_logical_partitioning(init, axes), shape, wdtype), dtype)
+      return cast_weight(self.param(name, nn.with_logical_partitioning(init, axes), shape, wdtype), dtype)
 
     wi_0 = kernel("wi_0", (n, emb, mlp), ("exp", "embed", "mlp"))
     wi_1 = kernel("wi_1", (n, emb, mlp), ("exp", "embed", "mlp"))

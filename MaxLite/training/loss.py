@@ -40,7 +40,8 @@ def tiled_loss_sums(
   z_loss_multiplier: float,
   num_tiles: int,
 ) -> tuple[jax.Array, jax.Array]:
-  """loss_sums(hidden @ head, ...) without the whole logits: hidden [b, s, e], head [e, vocab]."""
+  """loss_sums(hidden @ head, ...) without the whole logits: hidden [b, s, e], head [e, vocab] in the weight dtype
+  (cast to hidden's dtype chunk by chunk, so its gradient adds up over the chunks in the weight dtype)."""
   b, s = targets.shape
 
   def strided_chunks(x: jax.Array) -> jax.Array:  # [b, s, ...] -> [n, b, s/n, ...], chunk i = tokens i, i+n, ...
@@ -49,7 +50,7 @@ def tiled_loss_sums(
   @jax.checkpoint  # the backward pass makes each chunk's logits again instead of keeping them
   def chunk_sums(h: jax.Array, t: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits = nn.with_logical_constraint(
-      jnp.einsum("bse,ev->bsv", h, head, preferred_element_type=jnp.float32), LOGITS_AXES
+      jnp.einsum("bse,ev->bsv", h, head.astype(h.dtype), preferred_element_type=jnp.float32), LOGITS_AXES
     )
     return loss_sums(logits, t, m, z_loss_multiplier)
 

@@ -120,6 +120,10 @@ def initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[An
   return create_train_state(model, tx, config, shardings), shardings, 0
 
 
+def _offloaded(config: Config) -> bool:
+  return config.parameter_memory_host_offload or config.optimizer_memory_host_offload
+
+
 def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
@@ -139,7 +143,8 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   params_bytes = bytes_per_device(state.params)
   # Gradients are created inside the step with the parameters' shardings and dtype.
   logging.info(
-    "memory per device: params %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB",
+    "memory per device: params %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB"
+    + (" (params and/or optimizer state kept in host memory between steps)" if _offloaded(config) else ""),
     params_bytes / 2**20,
     params_bytes / 2**20,
     bytes_per_device(state.opt_state) / 2**20,
@@ -147,7 +152,15 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   batch_sharding, replicated = sharding_lib.batch_sharding(mesh, config), sharding_lib.replicated(mesh)
   step_fn = jit_train_step(config, state_shardings, batch_sharding, replicated)
   # Run on save steps only: it waits for the step, which the loop otherwise never does.
-  state_is_finite = jax.jit(lambda s: _all_finite((s.params, s.opt_state)), out_shardings=replicated)
+  state_is_finite = jax.jit(
+    lambda s: _all_finite(
+      (
+        sharding_lib.on_device(s.params, state_shardings.params),
+        sharding_lib.on_device(s.opt_state, state_shardings.opt_state),
+      )
+    ),
+    out_shardings=replicated,
+  )
   eval_fn = eval_batches = None
   if config.eval_interval > 0 and (config.dataset_type == "synthetic" or config.grain_eval_files):
     eval_fn = jit_eval_step(config, Transformer(config).apply, state_shardings.params, batch_sharding, replicated)

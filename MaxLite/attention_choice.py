@@ -1,0 +1,60 @@
+"""Which attention implementation a run uses (config key `attention`), decided and checked at load time.
+
+jax-free, so a config that cannot run its attention is refused before any runtime starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from MaxLite.errors import ConfigError
+from MaxLite.layers import splash_blocks
+
+# The attention key's values; MaxText's spellings map onto MaxLite's (flash is its TPU splash kernel).
+ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax")
+_ALIASES = {"flash": "splash", "cudnn_flash_jax": "cudnn"}
+_GPU = ("gpu", "cuda")  # jax's names for an NVIDIA backend (cuDNN does not exist on ROCm)
+
+
+def _cudnn_problem(c: dict[str, Any], platform: str, sequence_shards: int) -> str | None:
+  if platform not in _GPU:
+    return f"needs an NVIDIA GPU (cuDNN flash attention); this run's devices are {platform}"
+  if c["dtype"] != "bfloat16":
+    return f"takes bfloat16 activations only (cuDNN's fused attention); dtype={c['dtype']}"
+  if sequence_shards > 1:
+    return f"cannot split the sequence (cuDNN attends over whole rows); sequence parallelism is {sequence_shards}"
+  return None
+
+
+def attention_kernel(c: dict[str, Any], platform: str, sequence_shards: int, head_shards: int = 1) -> str:
+  """dot_product, splash or cudnn: what this config runs on `platform` (cpu, tpu, gpu), or a ConfigError.
+  sequence_shards / head_shards: how many ways the logical rules split activation_length / activation_heads.
+
+  autoselected picks splash on TPU and cudnn on a GPU where they can run this config, else dot_product."""
+  name = _ALIASES.get(c["attention"], c["attention"])
+  if name == "autoselected":
+    if platform == "tpu" and not splash_blocks.tiling_problem(c, sequence_shards):
+      return "splash"
+    if platform in _GPU and not _cudnn_problem(c, platform, sequence_shards):
+      return "cudnn"
+    return "dot_product"
+  if name == "cudnn":
+    problem = _cudnn_problem(c, platform, sequence_shards)
+    if problem:
+      raise ConfigError(f"attention={c['attention']} {problem}: use attention=dot_product or autoselected")
+  if name == "splash":
+    if platform not in ("tpu", "cpu"):
+      raise ConfigError(
+        f"attention={c['attention']} is a TPU kernel (interpreted on CPU for tests); this run's devices are "
+        f"{platform}: use attention=autoselected"
+      )
+    problem = splash_blocks.tiling_problem(c, sequence_shards)
+    if problem:
+      raise ConfigError(problem)
+    for key in ("base_num_query_heads", "base_num_kv_heads"):
+      if c[key] % head_shards:  # splash runs per shard of heads (shard_map), so they must split evenly
+        raise ConfigError(
+          f"attention={c['attention']}: {key}={c[key]} does not split over the {head_shards} shards that "
+          "logical_axis_rules give activation_heads"
+        )
+  return name
