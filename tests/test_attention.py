@@ -115,10 +115,18 @@ def test_cudnn_wrapper_masks_like_dot_product():
   _assert_same(_loss_and_grads(xla, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
 
 
-def test_training_with_splash_gives_the_dot_product_losses(tmp_path):
-  def losses(*overrides):
+@pytest.mark.parametrize(
+  "model, layout",
+  [
+    ("tiny", ()),
+    ("tiny-moe", ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")),  # batch split over fsdp x expert
+  ],
+  ids=["dense_1_device", "moe_expert4_fsdp2"],
+)
+def test_training_with_splash_gives_the_dot_product_losses(tmp_path, model, layout):
+  def losses(num_devices, *overrides):
     config = make_config(
-      "model_name=tiny",
+      f"model_name={model}",
       f"max_target_length={SEQ}",
       "steps=3",
       "dataset_type=synthetic",
@@ -126,13 +134,16 @@ def test_training_with_splash_gives_the_dot_product_losses(tmp_path):
       "learning_rate=1e-2",
       "warmup_steps_fraction=0.0",
       f"base_output_directory={tmp_path}",
+      f"per_device_batch_size={8 // num_devices}",
       *overrides,
+      num_devices=num_devices,
     )
-    rows = train(config, first_devices(1))
+    rows = train(config, first_devices(num_devices))
     return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
 
-  splash, dense = losses("attention=splash", "run_name=splash"), losses("attention=dot_product", "run_name=dense")
-  np.testing.assert_allclose(splash, dense, rtol=1e-5)
+  devices = 8 if layout else 1
+  splash = losses(devices, "attention=splash", "run_name=splash", *layout)
+  np.testing.assert_allclose(splash, losses(1, "attention=dot_product", "run_name=dense"), rtol=1e-5)
 
 
 def test_splash_heads_must_split_over_the_rules_head_shards():
@@ -191,10 +202,10 @@ def test_unsupported_attention_settings_stop_with_one_line(overrides, fragment):
 _NO_SCORES = """
 import sys
 from MaxLite import config as config_lib, derived, topologies, train_compile
-target = topologies.parse("v5e-4")
+target = topologies.parse(sys.argv[1])
 train_compile.prepare_backend(target)
 devices = train_compile.target_devices(target, 1)
-raw = config_lib.load_raw(sys.argv[1:])
+raw = config_lib.load_raw(sys.argv[2:])
 config = config_lib.Config(derived.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
                                                        platform="tpu"))
 text = train_compile.lower_train_step(config, devices)[0].compile().as_text()
@@ -203,9 +214,23 @@ print("SCORES" if ",1024,1024]" in text else "NO_SCORES", config.attention_kerne
 
 
 @pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
-@pytest.mark.parametrize("attention, expected", [("splash", "NO_SCORES splash"), ("dot_product", "SCORES dot_product")])
-def test_splash_compiled_for_tpu_holds_no_seq_by_seq_scores(attention, expected):
-  args = ["configs/base.yml", "model_name=tiny", "max_target_length=1024", f"attention={attention}", "jax_cache_dir="]
+@pytest.mark.parametrize(
+  "topology, attention, expected",
+  [
+    ("v5e-4", "splash", "NO_SCORES splash"),
+    ("v6e-4", "splash", "NO_SCORES splash"),
+    ("v5e-4", "dot_product", "SCORES dot_product"),
+  ],
+)
+def test_splash_compiled_for_tpu_holds_no_seq_by_seq_scores(topology, attention, expected):
+  args = [
+    topology,
+    "configs/base.yml",
+    "model_name=tiny",
+    "max_target_length=1024",
+    f"attention={attention}",
+    "jax_cache_dir=",
+  ]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
     [sys.executable, "-c", _NO_SCORES, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
