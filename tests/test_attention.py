@@ -62,9 +62,15 @@ def _assert_same(got, want):
     np.testing.assert_allclose(g, r, atol=GRAD_ATOL)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_splash_forward_and_gradients_equal_dot_product_on_packed_rows(heads, kv_heads):
-  config = make_config("model_name=tiny", f"max_target_length={SEQ}", "attention=splash")
+@pytest.mark.parametrize(
+  "heads, kv_heads, fused",
+  [(4, 4, "false"), (8, 2, "false"), (4, 1, "false"), (8, 2, "true")],
+  ids=["mha", "gqa", "mqa", "gqa_fused_backward"],
+)
+def test_splash_forward_and_gradients_equal_dot_product_on_packed_rows(heads, kv_heads, fused):
+  config = make_config(
+    "model_name=tiny", f"max_target_length={SEQ}", "attention=splash", f"sa_use_fused_bwd_kernel={fused}"
+  )
   q, k, v = _qkv(4, heads, kv_heads)
   segments = _packed_segments(4)
   splash = lambda q, k, v, s: splash_attention(q, k, v, s, config, interpret=True)
@@ -175,6 +181,10 @@ def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
   assert _derive("max_target_length=64", platform="tpu")["attention_kernel"] == "dot_product"
   assert _derive("attention=flash")["attention_kernel"] == "splash"  # MaxText's name, interpreted on CPU
   assert _derive("attention=flash")["attention_interpret"]
+  # The fused backward kernel has no dq pass, so its block sizes do not matter.
+  assert (
+    _derive("attention=splash", "sa_use_fused_bwd_kernel=true", "sa_block_q_dq=100")["attention_kernel"] == "splash"
+  )
 
 
 @pytest.mark.parametrize(

@@ -42,15 +42,9 @@ def block_sizes(config: Config, q_len: int, kv_len: int) -> kernel_lib.BlockSize
   )
 
 
-def _mesh_axes(logical: tuple[str | None, ...]) -> tuple:
-  """Mesh axes of a logical activation layout under the active rules, as a PartitionSpec tuple."""
-  return tuple(nn_partitioning.logical_to_mesh_axes(logical))
-
-
-def _size(mesh: jax.sharding.AbstractMesh, axes) -> int:
-  if axes is None:
-    return 1
-  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+def _shards(mesh: jax.sharding.AbstractMesh, axes: str | tuple[str, ...] | None) -> int:
+  names = (axes,) if isinstance(axes, str) else axes or ()
+  return math.prod(mesh.shape[a] for a in names)
 
 
 def splash_attention(
@@ -58,15 +52,15 @@ def splash_attention(
 ) -> jax.Array:
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled."""
   mesh = jax.sharding.get_abstract_mesh()
+  on_mesh = mesh is not None and not mesh.empty
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel wants [heads, seq, d] per example
   heads, seq = q.shape[1], q.shape[2]
-  if mesh is None or mesh.empty:
-    batch_axes = head_axes = seq_axes = None
-  else:
-    batch_axes, head_axes, seq_axes, _ = _mesh_axes(
-      ("activation_batch", "activation_heads", "activation_length", "activation_kv")
+  batch_axes = head_axes = seq_axes = None
+  if on_mesh:
+    batch_axes, head_axes, seq_axes = nn_partitioning.logical_to_mesh_axes(
+      ("activation_batch", "activation_heads", "activation_length")
     )
-  head_shards, seq_shards = (1, 1) if mesh is None or mesh.empty else (_size(mesh, head_axes), _size(mesh, seq_axes))
+  head_shards, seq_shards = (_shards(mesh, head_axes), _shards(mesh, seq_axes)) if on_mesh else (1, 1)
 
   mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq, seq)) for _ in range(heads)])
   kernel = kernel_lib.make_splash_mha(
@@ -81,7 +75,7 @@ def splash_attention(
     per_example = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks))
     return jax.vmap(per_example)(q, k, v, q_segments, kv_segments)
 
-  if mesh is None or mesh.empty:
+  if not on_mesh:
     out = attend(kernel, q, k, v, segment_ids, segment_ids)
   else:
     q_spec = P(batch_axes, head_axes, seq_axes, None)

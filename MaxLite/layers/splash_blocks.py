@@ -31,7 +31,10 @@ def tiling_problem(config: Mapping[str, Any], sequence_shards: int) -> str | Non
       f"{seq} / {sequence_shards} = {q_len}; use a longer max_target_length or attention=dot_product"
     )
   blocks = capped_blocks(config, q_len, seq)
+  unused = ("sa_block_q_dq", "sa_block_kv_dq") if config["sa_use_fused_bwd_kernel"] else ()
   for key, block in blocks.items():
+    if key in unused:
+      continue
     length, what = (q_len, "query length per shard") if key in Q_BLOCK_KEYS else (seq, "sequence")
     if config[key] <= 0 or block % LANES or length % block:
       return (
