@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import os
 import re
+from collections.abc import Callable
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _REPORT_ROW = re.compile(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*(\d+);\s*(\d+);\s*(.*)$")
@@ -97,18 +98,15 @@ def largest_buffers(dump_dir: str, count: int = 8) -> list[Buffer]:
   op_names = _op_names(hlo) if hlo else {}
   buffers = []
   for size, offset, shapes in _peak_rows(report)[:count]:
-    ops = []
-    for value in values.get(offset, []):
-      name = op_names.get(value)
-      if name and name not in ops:
-        ops.append(name)
+    placed = list(dict.fromkeys(values.get(offset, [])))
+    ops = list(dict.fromkeys(op_names[v] for v in placed if op_names.get(v)))
     if not ops:  # values XLA made itself (a hoisted dtype cast, a copy) carry no op name: show theirs
-      ops = [f"{v} (XLA)" for v in dict.fromkeys(values.get(offset, []))][:2]
+      ops = [f"{v} (XLA)" for v in placed[:2]]
     buffers.append(Buffer(size, shapes, tuple(ops)))
   return buffers
 
 
-def format_buffers(buffers: list[Buffer], gib: callable) -> list[str]:
+def format_buffers(buffers: list[Buffer], gib: Callable[[float], str]) -> list[str]:
   lines = []
   for b in buffers:
     made_by = f"  <- {'; '.join(b.ops[:2])}" if b.ops else ""

@@ -80,21 +80,17 @@ def _device_counts(num_devices: int | None, num_slices: int | None, process_coun
   return num_devices, num_slices, process_count
 
 
-def batch_mesh_axes(rules: Sequence[Sequence[Any]]) -> tuple[str, ...]:
-  """Mesh axes that split the batch: whatever `activation_batch` maps to."""
+def rule_mesh_axes(rules: Sequence[Sequence[Any]], logical: str) -> tuple[str, ...]:
+  """Mesh axes the first rule for `logical` maps it to (() when no rule names it)."""
   for name, axes in rules:
-    if name == "activation_batch":
+    if name == logical:
       return tuple([axes] if isinstance(axes, str) else axes or ())
   return ()
 
 
 def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[str, int]) -> int:
   """How many ways the logical activation axis `logical` is split under `rules` on this mesh."""
-  for name, axes in rules:
-    if name == logical:
-      axes = [axes] if isinstance(axes, str) else axes or []
-      return math.prod(mesh[a] for a in axes)
-  return 1
+  return math.prod(mesh[a] for a in rule_mesh_axes(rules, logical))
 
 
 def _check_choices(c: dict[str, Any]) -> None:
@@ -287,7 +283,7 @@ def validate_and_derive(
       "is not a whole number of sequences"
     )
   micro_batch = int(micro_batch)
-  batch_axes = batch_mesh_axes(c["logical_axis_rules"])
+  batch_axes = rule_mesh_axes(c["logical_axis_rules"], "activation_batch")
   batch_shards = math.prod(mesh[a] for a in batch_axes)
   if micro_batch % batch_shards:
     raise ConfigError(

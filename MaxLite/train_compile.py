@@ -120,6 +120,12 @@ def out_of_memory(message: str) -> str | None:
   return f"DOES NOT FIT: {first}"
 
 
+def _memory_total(mem: Any, space: str) -> int:
+  """Bytes a compiled program needs in one memory space ("" = device, "host_"): donated outputs reuse inputs."""
+  size = lambda kind: getattr(mem, f"{space}{kind}_size_in_bytes")
+  return size("argument") + size("output") - size("alias") + size("temp")
+
+
 def _where(offloaded: bool) -> str:
   return " in host memory (offloaded)" if offloaded else ""
 
@@ -144,13 +150,7 @@ def report(
   from MaxLite.training import flops
 
   mem = compiled.memory_analysis()
-  needed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-  host = (
-    mem.host_argument_size_in_bytes
-    + mem.host_output_size_in_bytes
-    - mem.host_alias_size_in_bytes
-    + mem.host_temp_size_in_bytes
-  )
+  needed, host = _memory_total(mem, ""), _memory_total(mem, "host_")
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0

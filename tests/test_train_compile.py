@@ -53,17 +53,21 @@ def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
 
 
 @needs_libtpu
-def test_offloaded_remat_moves_activations_to_host_memory_on_tpu():
-  def memory(policy):
-    proc = _compile("model_name=tiny", "compile_topology=v5p-8", f"remat_policy={policy}", "per_device_batch_size=8")
+def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
+  def host_mib(*overrides):
+    proc = _compile("model_name=tiny", "compile_topology=v5p-8", "per_device_batch_size=8", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    host = re.search(r"temporaries ([\d.]+) (MiB|GiB): host-offloaded", proc.stdout)
-    return _value(proc.stdout, "total needed"), float(host.group(1)) * (1024 if host.group(2) == "GiB" else 1)
+    found = re.search(r"\(arguments ([\d.]+) (MiB|GiB), temporaries ([\d.]+) (MiB|GiB): host-offloaded", proc.stdout)
+    mib = lambda value, unit: float(value) * (1024 if unit == "GiB" else 1)
+    return mib(*found.group(1, 2)), mib(*found.group(3, 4))
 
-  # (On llama2-7b this takes the device from 81.9 to 42.0 GiB; the tiny model's activations are too small for the
-  # copies' staging buffers to pay off, so only the move itself is checked here.)
-  (_, host), (_, host_off) = memory("minimal"), memory("minimal_offloaded")
-  assert host == 0 and host_off > 0
+  # (On llama2-7b minimal_offloaded takes the device from 81.9 to 42.0 GiB; the tiny model's activations are too
+  # small for the copies' staging buffers to pay off, so only the move itself is checked here.)
+  assert host_mib("remat_policy=minimal") == (0, 0)
+  assert host_mib("remat_policy=minimal_offloaded")[1] > 0  # saved activations: host temporaries
+  # Params (0.27 MiB per device) and AdamW's two moments arrive as host-memory arguments (TPU tiling pads them).
+  arguments, _ = host_mib("parameter_memory_host_offload=true", "optimizer_memory_host_offload=true")
+  assert arguments >= 3 * 1151616 * 4 / 4 / 2**20
 
 
 @needs_libtpu

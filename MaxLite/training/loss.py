@@ -16,20 +16,14 @@ import jax.numpy as jnp
 LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
 
-def _token_terms(logits: jax.Array, targets: jax.Array, z_loss_multiplier: float) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross-entropy and z-loss; one log-sum-exp over the vocabulary serves both."""
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return log_z - target_logit, z_loss_multiplier * jnp.square(log_z)
-
-
 def loss_sums(
   logits: jax.Array, targets: jax.Array, mask: jax.Array, z_loss_multiplier: float
 ) -> tuple[jax.Array, jax.Array]:
-  """(summed cross-entropy, summed z-loss) over the tokens where mask is 1."""
-  xent, z_loss = _token_terms(logits, targets, z_loss_multiplier)
-  return jnp.sum(xent * mask), jnp.sum(z_loss * mask)
+  """(summed cross-entropy, summed z-loss) over the tokens where mask is 1; one log-sum-exp serves both."""
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum((log_z - target_logit) * mask), jnp.sum(z_loss_multiplier * jnp.square(log_z) * mask)
 
 
 def tiled_loss_sums(

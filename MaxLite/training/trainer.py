@@ -154,10 +154,7 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
   # Run on save steps only: it waits for the step, which the loop otherwise never does.
   state_is_finite = jax.jit(
     lambda s: _all_finite(
-      (
-        sharding_lib.on_device(s.params, state_shardings.params),
-        sharding_lib.on_device(s.opt_state, state_shardings.opt_state),
-      )
+      sharding_lib.on_device((s.params, s.opt_state), (state_shardings.params, state_shardings.opt_state))
     ),
     out_shardings=replicated,
   )
