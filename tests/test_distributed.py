@@ -46,9 +46,10 @@ def test_process_and_device_counts_must_match_the_job():
 
 
 def test_config_digest_ignores_only_per_process_keys():
-  a = make_config("process_id=0").to_dict()
-  assert preflight.config_digest(a) == preflight.config_digest(make_config("process_id=1").to_dict())
-  b = make_config("steps=7").to_dict()
+  # A fixed run_name: the default is the start time, which differs when two configs straddle a second.
+  a = make_config("run_name=r", "process_id=0").to_dict()
+  assert preflight.config_digest(a) == preflight.config_digest(make_config("run_name=r", "process_id=1").to_dict())
+  b = make_config("run_name=r", "steps=7").to_dict()
   assert preflight.config_digest(a) != preflight.config_digest(b)
   assert preflight.differing_keys(b, a) == ["learning_rate_schedule_steps", "steps"]
 
