@@ -101,6 +101,7 @@ def _check_choices(c: dict[str, Any]) -> None:
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
     ("decoder_block", ("llama2",)),
+    ("rope_type", ("default", "llama3.1", "yarn")),
     ("profiler", ("", "xplane")),
     ("decode_sampling_strategy", ("greedy", "weighted", "topk", "nucleus")),
   ):
@@ -238,13 +239,39 @@ def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, bat
   return n
 
 
+def _check_model_features(c: dict[str, Any]) -> None:
+  if c["head_dim"] % 2:
+    raise ConfigError(f"head_dim={c['head_dim']} must be even (RoPE rotates pairs of features)")
+  if c["base_moe_mlp_dim"] == 0 or c["base_moe_mlp_dim"] < -1:
+    raise ConfigError(f"base_moe_mlp_dim={c['base_moe_mlp_dim']} must be positive or -1 (= base_mlp_dim)")
+  if c["rope_type"] == "default":
+    return
+  if c["rope_factor"] < 1 or c["original_max_position_embeddings"] < 1:
+    raise ConfigError(
+      f"rope_type={c['rope_type']} needs rope_factor >= 1 and original_max_position_embeddings >= 1, got "
+      f"{c['rope_factor']} and {c['original_max_position_embeddings']}"
+    )
+  if c["rope_type"] == "llama3.1" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
+    raise ConfigError(
+      f"rope_type=llama3.1 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+      f"{c['rope_low_freq_factor']} and {c['rope_high_freq_factor']}"
+    )
+  if c["rope_type"] == "yarn" and not 0 < c["beta_slow"] < c["beta_fast"]:
+    raise ConfigError(f"rope_type=yarn needs 0 < beta_slow < beta_fast, got {c['beta_slow']} and {c['beta_fast']}")
+
+
+def moe_mlp_dim(c: dict[str, Any]) -> int:
+  return c["base_moe_mlp_dim"] if c["base_moe_mlp_dim"] > 0 else c["base_mlp_dim"]
+
+
 def parameter_count(c: dict[str, Any]) -> int:
-  """Exact number of parameters of the Llama decoder (tested against the real model)."""
+  """Exact number of parameters of the decoder (tested against the real model and transformers' own)."""
   emb, mlp, d = c["base_emb_dim"], c["base_mlp_dim"], c["head_dim"]
   q, kv, vocab = c["base_num_query_heads"], c["base_num_kv_heads"], c["vocab_size"]
   experts = c["num_experts"]
-  mlp_params = 3 * emb * mlp if experts == 1 else experts * 3 * emb * mlp + emb * experts  # + router
-  per_layer = emb * d * (2 * q + 2 * kv) + mlp_params + 2 * emb
+  mlp_params = 3 * emb * mlp if experts == 1 else experts * 3 * emb * moe_mlp_dim(c) + emb * experts  # + router
+  attention = emb * d * (2 * q + 2 * kv) + c["attention_bias"] * d * (q + 2 * kv) + c["use_qk_norm"] * 2 * d
+  per_layer = attention + mlp_params + 2 * emb
   head = 0 if c["logits_via_embedding"] else emb * vocab
   return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
 
@@ -261,6 +288,7 @@ def validate_and_derive(
   c = dict(c)
   _check_choices(c)
   _check_positive(c)
+  _check_model_features(c)
   _check_optimizer(c)
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
   dcn = {a: c[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
@@ -325,6 +353,7 @@ def validate_and_derive(
     checkpoint_dir=paths.join(run_dir, "checkpoints"),
     metrics_file=paths.join(run_dir, "metrics.jsonl"),
     num_params=parameter_count(c),
+    moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,
     # Off TPU the splash kernel runs in Pallas interpret mode (same numerics, for tests and CPU runs).
     attention_interpret=kernel == "splash" and platform != "tpu",

@@ -26,20 +26,21 @@ transformers = pytest.importorskip("transformers")
 SEQ = 24
 
 
+SMALL = dict(  # transformers config arguments of a small model of any family
+  vocab_size=384,
+  hidden_size=64,
+  intermediate_size=160,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=128,
+  rms_norm_eps=1e-5,
+)
+
+
 def hf_model(tmp_path, name="hf", shard=False, **overrides):
   """A small random LlamaForCausalLM built with transformers' own config class, saved as safetensors."""
-  settings = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-  )
+  settings = dict(SMALL, rope_theta=10000.0, tie_word_embeddings=False)
   settings.update(overrides)
   torch.manual_seed(0)
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).eval()

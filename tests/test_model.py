@@ -9,7 +9,7 @@ from conftest import make_config
 
 from MaxLite.layers.attention import attention_mask, dot_product_attention
 from MaxLite.layers.decoder import Transformer, stack_layers, unstack_layers
-from MaxLite.layers.embeddings import apply_rope
+from MaxLite.layers.rope import apply_rope, default_frequencies
 from MaxLite.training.train_step import loss_sums
 
 SEQ = 32
@@ -42,7 +42,13 @@ def _loss_and_grads(config, params, batch):
 
 
 def test_parameter_count_formula_matches_model():
-  for overrides in (["model_name=tiny"], ["model_name=tiny", "logits_via_embedding=true"], ["model_name=tiny-moe"]):
+  for overrides in (
+    ["model_name=tiny"],
+    ["model_name=tiny", "logits_via_embedding=true"],
+    ["model_name=tiny", "attention_bias=true", "use_qk_norm=true"],
+    ["model_name=tiny-moe"],
+    ["model_name=tiny-moe", "base_moe_mlp_dim=48", "use_qk_norm=true"],
+  ):
     config = make_config(*overrides, f"max_target_length={SEQ}")
     params = _init(config, _batch())
     assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params
@@ -109,14 +115,14 @@ def test_rope_scores_depend_only_on_relative_position():
   k = jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32)
 
   def score(pq, pk):
-    rq = apply_rope(q, jnp.asarray([[pq]]), 10000.0)
-    rk = apply_rope(k, jnp.asarray([[pk]]), 10000.0)
+    rq = apply_rope(q, jnp.asarray([[pq]]), default_frequencies(16, 10000.0))
+    rk = apply_rope(k, jnp.asarray([[pk]]), default_frequencies(16, 10000.0))
     return float(jnp.sum(rq * rk))
 
   assert score(3, 1) == pytest.approx(score(10, 8), rel=1e-4)
   assert score(3, 1) != pytest.approx(score(3, 2), rel=1e-3)
   # Position 0 is the identity rotation.
-  np.testing.assert_allclose(apply_rope(q, jnp.asarray([[0]]), 10000.0), q)
+  np.testing.assert_allclose(apply_rope(q, jnp.asarray([[0]]), default_frequencies(16, 10000.0)), q)
 
 
 def test_packed_segments_do_not_see_each_other():

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
-from MaxLite.layers.embeddings import apply_rope
 from MaxLite.layers.linears import DenseGeneral
+from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.layers.rope import apply_rope, rope_frequencies
 from MaxLite.layers.splash import splash_attention
 
 BATCH, LENGTH = "activation_batch", "activation_length"
@@ -77,8 +78,17 @@ class Attention(nn.Module):
 
     def project(name: str, heads: int, head_axis: str) -> jax.Array:
       y = DenseGeneral(
-        (heads, cfg.head_dim), ("embed", head_axis, "kv"), dtype=dtype, weight_dtype=wdtype, init_scale=scale, name=name
+        (heads, cfg.head_dim),
+        ("embed", head_axis, "kv"),
+        dtype=dtype,
+        weight_dtype=wdtype,
+        init_scale=scale,
+        use_bias=cfg.attention_bias,
+        name=name,
       )(x)
+      if cfg.use_qk_norm and name != "value":  # Qwen3: RMSNorm over each head's features, before RoPE
+        norm = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name=f"{name}_norm")
+        y = norm(y)
       return checkpoint_name(y, f"{name}_proj")
 
     q = project("query", cfg.base_num_query_heads, "q_heads")
@@ -88,8 +98,9 @@ class Attention(nn.Module):
     k = nn.with_logical_constraint(k, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
     v = nn.with_logical_constraint(v, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
 
-    q = apply_rope(q, positions, cfg.rope_max_timescale)
-    k = apply_rope(k, positions, cfg.rope_max_timescale)
+    frequencies, rope_scale = rope_frequencies(cfg)
+    q = apply_rope(q, positions, frequencies, rope_scale)
+    k = apply_rope(k, positions, frequencies, rope_scale)
     q = q * jnp.asarray(cfg.head_dim**-0.5, q.dtype)
     if self.decode:
       k, v, mask = self._update_cache(k, v, segment_ids, positions)

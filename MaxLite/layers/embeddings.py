@@ -1,4 +1,4 @@
-"""Token embedding and rotary position embedding (RoPE)."""
+"""Token embedding (RoPE is in rope.py)."""
 
 from __future__ import annotations
 
@@ -37,19 +37,3 @@ class Embed(nn.Module):
 
   def attend(self, x: jax.Array) -> jax.Array:
     return jnp.einsum("bse,ve->bsv", x, jnp.asarray(self.embedding, self.dtype), preferred_element_type=jnp.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq].
-
-  Uses the "rotate half" layout (first half of head_dim paired with the second half), which is
-  the layout of Hugging Face Llama checkpoints, so their q/k weights need no permutation.
-  """
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions[..., None].astype(jnp.float32) * freq  # [b, s, half]
-  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[..., :half], x32[..., half:]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)

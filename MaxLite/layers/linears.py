@@ -65,6 +65,7 @@ class DenseGeneral(nn.Module):
   weight_dtype: DType = jnp.float32
   init_scale: float = 1.0
   output_dtype: DType | None = None  # None = dtype; float32 = accumulate and return float32 (the logits)
+  use_bias: bool = False  # a learned bias over the output features (Qwen2.5's q/k/v), initialised to zero
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -95,6 +96,12 @@ class DenseGeneral(nn.Module):
         kernel.reshape(math.prod(in_dims), -1),
         preferred_element_type=self.output_dtype,
       )
-      return y.reshape(*rows, *features)
-    contract = (axis, tuple(range(n_in)))
-    return jax.lax.dot_general(x, kernel, (contract, ((), ())), preferred_element_type=self.output_dtype)
+      y = y.reshape(*rows, *features)
+    else:
+      contract = (axis, tuple(range(n_in)))
+      y = jax.lax.dot_general(x, kernel, (contract, ((), ())), preferred_element_type=self.output_dtype)
+    if not self.use_bias:
+      return y
+    bias_init = nn.with_logical_partitioning(nn.initializers.zeros, tuple(self.logical_axes)[n_in:])
+    bias = self.param("bias", bias_init, features, self.weight_dtype)
+    return y + jnp.asarray(bias, y.dtype)

@@ -45,7 +45,9 @@ def load_balance_loss(stats: dict) -> jax.Array:
   return assigned.shape[-1] * jnp.sum(share * mean_prob, axis=-1)
 
 
-def route(router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity: int) -> tuple:
+def route(
+  router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity: int, normalize_top_k: bool = True
+) -> tuple:
   """Top-k softmax routing -> (dispatch [b,s,e,c] 0/1, combine [b,s,e,c] weights, routing sums).
 
   The routing sums (per expert: assignments and router probability over real tokens; tokens,
@@ -57,7 +59,8 @@ def route(router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity:
   b, s, e = router_logits.shape
   probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)  # [b, s, k]
-  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # Mixtral renormalises the chosen k
+  if normalize_top_k:  # Mixtral and Qwen3 (norm_topk_prob) renormalise the chosen k to sum to 1
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
   by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * s, e)
   slot = (jnp.cumsum(by_rank, axis=1) - 1.0) * by_rank  # 0-based slot in the chosen expert
@@ -86,12 +89,14 @@ class MoeBlock(nn.Module):
   def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, dict]:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
-    n, emb, mlp = cfg.num_experts, cfg.base_emb_dim, cfg.base_mlp_dim
+    n, emb, mlp = cfg.num_experts, cfg.base_emb_dim, cfg.moe_mlp_dim
     router_logits = DenseGeneral(
       n, ("embed", None), dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
     )(x)
     capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
-    dispatch, combine, aux = route(router_logits, token_mask.astype(jnp.float32), cfg.num_experts_per_tok, capacity)
+    dispatch, combine, aux = route(
+      router_logits, token_mask.astype(jnp.float32), cfg.num_experts_per_tok, capacity, cfg.norm_topk_prob
+    )
 
     def kernel(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
       init = nn.initializers.variance_scaling(

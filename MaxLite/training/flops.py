@@ -22,7 +22,8 @@ def training_flops_per_step(config: Config) -> dict[str, float]:
   if config.num_experts > 1:
     # Only the experts a token is routed to do work; the one-hot dispatch/combine einsums are
     # routing overhead, not model FLOPs.
-    mlp_flops = mlp_flops * config.num_experts_per_tok + 2 * tokens * emb * config.num_experts
+    mlp_flops = 2 * tokens * emb * config.moe_mlp_dim * 3 * config.num_experts_per_tok
+    mlp_flops += 2 * tokens * emb * config.num_experts
   qkv_flops = 2 * tokens * emb * d * (q + 2 * kv)
   out_flops = 2 * tokens * q * d * emb
   # QK^T and PV: 2 matmuls of 2*seq*d FLOPs per token per head, halved for the causal mask.

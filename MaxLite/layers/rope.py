@@ -1,0 +1,94 @@
+"""Rotary position embedding (RoPE) and the frequency schedules of today's open models.
+
+rope_type (MaxText's key): `default` (Llama 2/3, Qwen: theta**(-2i/d)), `llama3.1` (Llama 3.1+: long wavelengths
+divided by rope_factor, a smooth blend between low_freq and high_freq wavelengths) and `yarn` (YaRN: a ramp between
+interpolated and original frequencies by rotation count, plus an attention scale on cos/sin). The schedules are
+numbers fixed by the config, computed once in float64 numpy and used in float32 like transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def default_frequencies(head_dim: int, theta: float) -> np.ndarray:
+  """theta ** (-2i / head_dim) for i < head_dim / 2: the angle per position of each rotated pair."""
+  return 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def llama31_frequencies(
+  freq: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float, original_length: int
+) -> np.ndarray:
+  """Wavelengths shorter than original_length / high_freq_factor stay, longer than original_length /
+  low_freq_factor are stretched by `factor`, and the ones between blend the two linearly in 1/wavelength."""
+  wavelength = 2 * math.pi / freq
+  smooth = (original_length / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  blended = (1 - smooth) * freq / factor + smooth * freq
+  out = np.where(wavelength > original_length / low_freq_factor, freq / factor, freq)
+  middle = (wavelength >= original_length / high_freq_factor) & (wavelength <= original_length / low_freq_factor)
+  return np.where(middle, blended, out)
+
+
+def yarn_frequencies(
+  head_dim: int, theta: float, factor: float, original_length: int, beta_fast: float, beta_slow: float, truncate: bool
+) -> tuple[np.ndarray, float]:
+  """YaRN (Peng et al. 2023): pairs that turn more than beta_fast times over the original context keep their
+  frequency, fewer than beta_slow times are interpolated by `factor`, linear in between. Returns (frequencies,
+  the factor cos and sin are multiplied by: 0.1 ln(factor) + 1)."""
+  freq = default_frequencies(head_dim, theta)
+
+  def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
+    return head_dim * math.log(original_length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # a single-pair ramp would divide by zero
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  keep = 1 - ramp
+  scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+  return freq / factor * (1 - keep) + freq * keep, scale
+
+
+def rope_frequencies(c: Any) -> tuple[np.ndarray, float]:
+  """(float32 frequencies [head_dim / 2], cos/sin scale) for the config's rope_type."""
+  freq, scale = default_frequencies(c.head_dim, c.rope_max_timescale), 1.0
+  if c.rope_type == "llama3.1":
+    freq = llama31_frequencies(
+      freq, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.original_max_position_embeddings
+    )
+  elif c.rope_type == "yarn":
+    freq, scale = yarn_frequencies(
+      c.head_dim,
+      c.rope_max_timescale,
+      c.rope_factor,
+      c.original_max_position_embeddings,
+      c.beta_fast,
+      c.beta_slow,
+      c.rope_truncate,
+    )
+  return np.asarray(freq, np.float32), float(scale)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, frequencies: np.ndarray, scale: float = 1.0) -> jax.Array:
+  """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq].
+
+  Uses the "rotate half" layout (first half of head_dim paired with the second half), which is
+  the layout of Hugging Face Llama and Qwen checkpoints, so their q/k weights need no permutation.
+  """
+  half = x.shape[-1] // 2
+  angle = positions[..., None].astype(jnp.float32) * jnp.asarray(frequencies, jnp.float32)  # [b, s, half]
+  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+  if scale != 1.0:
+    sin, cos = sin * jnp.float32(scale), cos * jnp.float32(scale)
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
