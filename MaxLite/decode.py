@@ -138,13 +138,18 @@ def run(argv: Sequence[str]) -> list[str]:
   config = config_lib.Config(derived.validate_and_derive(raw))
   if config.num_pipeline_stages > 1:
     raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
-  tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path))
+  tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path), config.tokenizer_type)
+  bos, eos = tokenizer.bos_id, tokenizer.eos_id
   mesh = create_mesh(config)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     params = load_params(config, mesh)
-    prompts = [([tokenizer.bos_id] if config.add_bos else []) + tokenizer.encode(t) for t in texts]
-    outputs, _ = generate(config, params, prompts, eos_id=tokenizer.eos_id)
-  results = [text + tokenizer.decode([t for t in out if t != tokenizer.eos_id]) for text, out in zip(texts, outputs)]
+    prompts = [([bos] if config.add_bos and bos >= 0 else []) + tokenizer.encode(t) for t in texts]
+    outputs, _ = generate(config, params, prompts, eos_id=eos if eos >= 0 else None)
+  # Ids past the tokenizer's vocabulary (a model's padded embedding rows, e.g. Qwen's) have no text.
+  results = [
+    text + tokenizer.decode([t for t in out if t != eos and t < tokenizer.vocab_size])
+    for text, out in zip(texts, outputs)
+  ]
   for i, result in enumerate(results):
     print(f"[{i}] {result}", flush=True)
   return results

@@ -38,6 +38,7 @@ REMAT_POLICIES = (
 )
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
+TOKENIZER_TYPES = ("sentencepiece", "huggingface", "tiktoken")  # MaxText's names
 
 
 def default_run_name() -> str:
@@ -100,6 +101,7 @@ def _check_choices(c: dict[str, Any]) -> None:
     ("dtype", DTYPES),
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
+    ("tokenizer_type", TOKENIZER_TYPES),
     ("decoder_block", ("llama2",)),
     ("rope_type", ("default", "llama3.1", "yarn")),
     ("profiler", ("", "xplane")),

@@ -1,6 +1,7 @@
 """Input pipeline throughput on the shipped corpus: one JSON line with tokens/s.
 
   python end_to_end/bench_input.py [--seq_len 256] [--batch_size 4] [--batches 500] [--worker_count 0]
+                                   [--tokenizer_path PATH --tokenizer_type sentencepiece|huggingface|tiktoken]
 
 Times `--batches` batches after `--warmup` batches (the warm-up absorbs file opening and the first
 prefetch fill). tokens/s counts every position of a batch (seq_len * batch_size per batch), which
@@ -26,6 +27,7 @@ def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--files", default=os.path.join(REPO, "assets", "corpus", "train-*.array_record"))
   p.add_argument("--tokenizer_path", default=os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model"))
+  p.add_argument("--tokenizer_type", default="sentencepiece", help="sentencepiece | huggingface | tiktoken")
   p.add_argument("--seq_len", type=int, default=256)
   p.add_argument("--batch_size", type=int, default=4)
   p.add_argument("--warmup", type=int, default=20)
@@ -45,6 +47,7 @@ def main() -> int:
       add_bos=True,
       add_eos=True,
       worker_count=args.worker_count,
+      tokenizer_type=args.tokenizer_type,
     )
     next(it)
   except MaxLiteError as e:

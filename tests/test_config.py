@@ -95,6 +95,7 @@ def test_mesh_fill_and_derived_values():
     (["remat_policy=sometimes"], 1, "remat_policy='sometimes' is not one of"),
     (["model_name=llama9"], 1, "unknown model_name 'llama9'"),
     (["dtype=float16"], 1, "dtype='float16' is not one of"),
+    (["tokenizer_type=bpe"], 1, "tokenizer_type='bpe' is not one of: 'sentencepiece', 'huggingface', 'tiktoken'"),
     (
       ["max_target_length=30", "ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"],
       8,

@@ -37,6 +37,9 @@ def test_only_stream_and_model_keys_count():
   assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_path=x"))) == [
     "tokenizer_path 'assets/tokenizer/maxlite_sp8k.model' -> 'x'"
   ]
+  assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_type=huggingface"))) == [
+    "tokenizer_type 'sentencepiece' -> 'huggingface'"
+  ]
 
 
 def _train(tmp_path, *overrides):

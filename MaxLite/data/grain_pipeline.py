@@ -68,10 +68,13 @@ class _CheckedSource:
 
 
 class _Tokenize(grain.transforms.Map):
-  """UTF-8 document bytes -> int32 token ids, optionally framed by BOS/EOS."""
+  """UTF-8 document bytes -> int32 token ids, optionally framed by BOS/EOS. A tokenizer without a BOS (Qwen) or
+  EOS gets none: add_bos/add_eos then add nothing (-1 would index no embedding row)."""
 
   def __init__(self, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
-    self._tok, self._bos, self._eos = tokenizer, add_bos, add_eos
+    self._tok = tokenizer
+    self._bos = add_bos and tokenizer.bos_id >= 0
+    self._eos = add_eos and tokenizer.eos_id >= 0
 
   def map(self, element: bytes) -> np.ndarray:
     ids = self._tok.encode(element.decode("utf-8", errors="replace"))
@@ -180,6 +183,7 @@ def make_grain_iterator(
   shuffle: bool = True,
   num_epochs: int | None = None,
   worker_count: int = 0,
+  tokenizer_type: str = "sentencepiece",
 ) -> SlotBatchIterator:
   """Iterator of dicts of int32 arrays [len(slots), seq_len] (keys: data.BATCH_KEYS): rows `slots` of each
   global batch of `num_slots` rows.
@@ -187,7 +191,7 @@ def make_grain_iterator(
   `files`: glob or comma-separated globs of ArrayRecord files of UTF-8 documents. num_epochs=None repeats
   forever; with a finite count an exhausted slot yields segmentation-0 rows until every slot is exhausted,
   then StopIteration. get_state()/set_state() restore exactly the next batch in a fresh iterator.
-  `worker_count` threads fill the slots (the rows do not depend on it).
+  `worker_count` threads fill the slots (the rows do not depend on it). `tokenizer_type`: see data/tokenizer.py.
   """
   if seq_len < 1 or num_slots < 1 or not slots:
     raise ConfigError(f"seq_len, num_slots and slots must be positive, got {seq_len}, {num_slots}, {list(slots)}")
@@ -197,7 +201,7 @@ def make_grain_iterator(
     raise ConfigError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}")
   if worker_count < 0:
     raise ConfigError(f"grain_worker_count must be >= 0, got {worker_count}")
-  tokenizer = load_tokenizer(tokenizer_path)
+  tokenizer = load_tokenizer(tokenizer_path, tokenizer_type)
   source = _CheckedSource(resolve_files(files))
   if len(source) < num_slots:
     raise InputError(

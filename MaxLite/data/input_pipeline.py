@@ -7,6 +7,7 @@ or mesh); `jax.make_array_from_process_local_data` stitches them into one global
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,17 +24,20 @@ from MaxLite.sharding import batch_sharding
 
 
 def check_tokenizer(config: Config) -> None:
-  """vocab_size must cover every id the tokenizer can produce."""
+  """vocab_size must cover every id the tokenizer can produce; add_bos/add_eos without such a token is said once."""
   if config.dataset_type != "grain":
     return
   from MaxLite.data.tokenizer import load_tokenizer
 
-  tokenizer = load_tokenizer(resolve(config.tokenizer_path))
+  tokenizer = load_tokenizer(resolve(config.tokenizer_path), config.tokenizer_type)
   if config.vocab_size < tokenizer.vocab_size:
     raise ConfigError(
       f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
       f"{tokenizer.vocab_size} ({config.tokenizer_path}); set vocab_size >= {tokenizer.vocab_size}"
     )
+  for key, token_id in (("add_bos", tokenizer.bos_id), ("add_eos", tokenizer.eos_id)):
+    if getattr(config, key) and token_id < 0:
+      logging.warning("%s=true but tokenizer %s has no such token: documents get none", key, config.tokenizer_path)
 
 
 def _rows_by_process(sharding: NamedSharding, global_batch: int) -> dict[int, tuple[int, ...]]:
@@ -110,6 +114,7 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
     shuffle=split == "train",
     num_epochs=None,
     worker_count=config.grain_worker_count,
+    tokenizer_type=config.tokenizer_type,
   )
 
 

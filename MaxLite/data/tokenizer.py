@@ -1,21 +1,61 @@
-"""SentencePiece tokenizer wrapper with the small interface the input pipeline needs."""
+"""Tokenizers behind one small interface (config key `tokenizer_type`): `load_tokenizer(path, tokenizer_type)`.
+
+  sentencepiece   a sentencepiece .model: the shipped one, Llama 2, Mistral (this file)
+  huggingface     a tokenizer.json or its directory: Llama 3.x, Qwen, most hub models (hf_tokenizer.py)
+  tiktoken        Meta's Llama 3 original/tokenizer.model, a tiktoken BPE file (tiktoken_tokenizer.py)
+
+Every tokenizer gives ids without any special token of its own (the pipeline adds BOS/EOS per add_bos/add_eos),
+reports -1 for a special token it does not have, and pickles (grain workers re-create it from the pickle).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import sentencepiece as spm
 
 from MaxLite import paths
+from MaxLite.derived import TOKENIZER_TYPES
 from MaxLite.errors import InputError, first_line
 
 
-class Tokenizer:
-  """Text <-> token ids. Picklable (re-loads from its path), so grain worker processes can use it."""
+class Tokenizer(Protocol):
+  """What the input pipeline and decode.py use. An id of -1 means the tokenizer has no such token."""
+
+  path: str
+
+  @property
+  def vocab_size(self) -> int: ...  # one more than the largest id encode or a special token can give
+
+  @property
+  def bos_id(self) -> int: ...
+
+  @property
+  def eos_id(self) -> int: ...
+
+  @property
+  def pad_id(self) -> int: ...
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece model. Picklable: the serialized model travels, so a worker needs no copy of the file."""
 
   def __init__(self, path: str):
     self.path = path
-    self._sp = _load_processor(path)
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      # The model's bytes (local or gs://), so sentencepiece never needs a local copy of the file.
+      self._sp.load_from_serialized_proto(paths.read_bytes(path))
+    except (OSError, RuntimeError) as e:
+      raise InputError(
+        f"tokenizer_path: not a sentencepiece model: {path!r} ({first_line(e)}); for a tokenizer.json set "
+        "tokenizer_type=huggingface, for a tiktoken BPE file tokenizer_type=tiktoken"
+      ) from None
 
   @property
   def vocab_size(self) -> int:
@@ -51,24 +91,38 @@ class Tokenizer:
     self._sp.load_from_serialized_proto(state["proto"])
 
 
-def _load_processor(path: str) -> spm.SentencePieceProcessor:
+def _is_directory(path: str) -> bool:
+  """Whether `path` is a directory (else a file); InputError if it is neither or cannot be reached."""
   try:
-    found = bool(path) and paths.isfile(path)
+    if path and paths.isfile(path):
+      return False
+    found = bool(path) and paths.isdir(path)
   except InputError:
     raise
   except Exception as e:  # an unreachable bucket or missing credentials
     raise InputError(f"tokenizer_path: cannot read {path!r} ({type(e).__name__}: {first_line(e)})") from None
   if not found:
     raise InputError(f"tokenizer_path: file not found: {path!r}")
-  sp = spm.SentencePieceProcessor()
-  try:
-    # The model's bytes (local or gs://), so sentencepiece never needs a local copy of the file.
-    sp.load_from_serialized_proto(paths.read_bytes(path))
-  except (OSError, RuntimeError) as e:
-    raise InputError(f"tokenizer_path: not a sentencepiece model: {path!r} ({first_line(e)})") from None
-  return sp
+  return True
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-  """Loads a sentencepiece model; InputError (one line) if it is missing or unreadable."""
-  return Tokenizer(path)
+def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenizer:
+  """The tokenizer at `path` (local or gs://); InputError (one line) if it is missing, unreadable or of
+  another type."""
+  if tokenizer_type not in TOKENIZER_TYPES:
+    raise InputError(f"tokenizer_type={tokenizer_type!r} is not one of: {', '.join(repr(t) for t in TOKENIZER_TYPES)}")
+  is_directory = _is_directory(path)
+  if tokenizer_type == "huggingface":
+    from MaxLite.data.hf_tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(path, is_directory)
+  if is_directory:
+    raise InputError(
+      f"tokenizer_path: {path!r} is a directory; tokenizer_type={tokenizer_type} reads one file "
+      "(tokenizer_type=huggingface reads a directory holding tokenizer.json)"
+    )
+  if tokenizer_type == "tiktoken":
+    from MaxLite.data.tiktoken_tokenizer import TiktokenTokenizer
+
+    return TiktokenTokenizer(path)
+  return SentencePieceTokenizer(path)
