@@ -75,7 +75,7 @@ def target_devices(target: topologies.Target, num_slices: int) -> list[Any]:
 
 
 def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
-  """(lowered train step, per-device bytes of params and optimizer state) for `config` on `devices`."""
+  """(lowered train step, {per-device bytes of params and optimizer state, parameter count}) for `config`."""
   import jax
   import jax.numpy as jnp
   from flax.linen import partitioning as nn_partitioning
@@ -100,6 +100,7 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   state_bytes = {
     "params": sharding.sharded_bytes(abstract.params, shardings.params),
     "optimizer": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state),
+    "parameters": sum(leaf.size for leaf in jax.tree.leaves(abstract.params)),  # counted from the model itself
   }
   return lowered, state_bytes
 
@@ -160,7 +161,7 @@ def report(
   lines = [
     f"compiled train step for {target.name} x {config.num_slices} slice(s) ({config.num_devices} devices, "
     f"mesh {mesh}) in {seconds:.1f} s",
-    f"model {config.model_name}: {config.num_params / 1e9:.3f}B params, global batch "
+    f"model {config.model_name}: {state_bytes['parameters']:,} parameters, global batch "
     f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
     f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
     "per device:",

@@ -20,6 +20,7 @@ from MaxLite import paths
 from MaxLite.checkpoint import STATE, saved_config_path
 from MaxLite.checkpoint.hf_layout import global_tensors, hf_config_from_model, layer_tensors, model_settings_from_hf
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
+from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.errors import InputError
 
 
@@ -147,6 +148,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   from MaxLite.checkpoint import manager as checkpointing
 
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
+  tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
   abstract = _abstract_params(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
@@ -170,5 +172,21 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
       else:
         add(name, value, t.to_hf)
   files = write_checkpoint(output_path, tensors)
-  paths.write_text(paths.join(output_path, "config.json"), json.dumps(hf_config_from_model(config), indent=2))
-  return ["config.json", *files]
+  ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}
+  hf_config = hf_config_from_model(config, **{name: i if i >= 0 else None for name, i in ids.items()})
+  paths.write_text(paths.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
+  return ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
+
+
+def _copy_tokenizer_files(config: Any, output_path: str) -> list[str]:
+  """A Hugging Face tokenizer travels with the export, so AutoTokenizer loads the output directory as it is."""
+  if config.tokenizer_type != "huggingface":
+    return []
+  source = paths.resolve(config.tokenizer_path)
+  folder = source if paths.isdir(source) else paths.dirname(source)
+  copied = []
+  for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    if paths.isfile(paths.join(folder, name)):
+      paths.write_bytes(paths.join(output_path, name), paths.read_bytes(paths.join(folder, name)))
+      copied.append(name)
+  return copied

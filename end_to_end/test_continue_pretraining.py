@@ -1,0 +1,100 @@
+"""README's "Continue pretraining Llama 3.2 1B", command for command, on a small Llama-3.2-shaped model:
+convert the HF folder, train with its tokenizer.json, decode, export back; transformers then loads the export and
+its greedy continuation is the text decode.py printed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from procs import REPO
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402  (with transformers)
+
+VOCAB = 512
+PROMPT = "The history of"
+
+
+def llama_folder(path):
+  """What a user downloads: config.json + safetensors + tokenizer.json + tokenizer_config.json (Llama 3 specials)."""
+  from array_record.python.array_record_module import ArrayRecordReader
+
+  reader = ArrayRecordReader(os.path.join(REPO, "assets", "corpus", "train-00000-of-00004.array_record"))
+  documents = [r.decode("utf-8") for r in reader.read(list(range(300)))]
+  reader.close()
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+  trainer = trainers.BpeTrainer(
+    vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+  )
+  tok.train_from_iterator(documents, trainer)
+  rope = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+  config = transformers.LlamaConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    rope_parameters=dict(rope, rope_theta=500000.0, original_max_position_embeddings=32),
+    bos_token_id=0,
+    eos_token_id=1,
+  )
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": specials[0], "eos_token": specials[1], "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+def command(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def test_convert_train_decode_export(tmp_path):
+  hf, ckpt, out = str(tmp_path / "Llama-3.2-1B"), str(tmp_path / "ckpt"), str(tmp_path / "export")
+  llama_folder(hf)
+  tokenizer = ("tokenizer_type=huggingface", f"tokenizer_path={hf}")
+  command("MaxLite/convert_hf.py", "to_maxlite", f"--hf_path={hf}", f"--output_path={ckpt}")
+  command(
+    "MaxLite/train.py",
+    "configs/base.yml",
+    f"load_parameters_path={ckpt}/0",
+    *tokenizer,
+    "steps=3",
+    "max_target_length=64",
+    "per_device_batch_size=2",
+    "learning_rate=1e-3",
+    "enable_checkpointing=true",
+    "eval_interval=-1",
+    f"base_output_directory={tmp_path}",
+    "run_name=continued",
+  )
+  step = str(tmp_path / "continued" / "checkpoints" / "3")
+  decode = ("max_target_length=64", "max_prefill_predict_length=16", "max_decode_steps=8", "jax_cache_dir=")
+  printed = command(
+    "MaxLite/decode.py", "configs/base.yml", f"load_parameters_path={step}", *tokenizer, *decode, f"prompt={PROMPT}"
+  )
+  ours = printed.split(f"[0] {PROMPT}", 1)[1].rstrip("\n")
+  command("MaxLite/convert_hf.py", "to_hf", f"--checkpoint_path={step}", f"--output_path={out}", *tokenizer)
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert (model.config.bos_token_id, model.config.eos_token_id) == (0, 1)  # from the tokenizer, not Llama 2's 1, 2
+  assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.tie_word_embeddings
+  original = transformers.AutoModelForCausalLM.from_pretrained(hf)
+  assert not torch.equal(model.model.embed_tokens.weight, original.model.embed_tokens.weight)  # training moved it
+  ids = [0] + tok(PROMPT, add_special_tokens=False)["input_ids"]  # add_bos=true, as decode.py
+  with torch.no_grad():
+    generated = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=1)[0, len(ids) :]
+  assert tok.decode([t for t in generated.tolist() if t != 1]) == ours
