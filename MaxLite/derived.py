@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from MaxLite import attention_choice, paths
+from MaxLite.data import sources
 from MaxLite.errors import ConfigError
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
@@ -100,6 +101,7 @@ def _check_choices(c: dict[str, Any]) -> None:
     ("dtype", DTYPES),
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
+    ("grain_file_type", sources.FILE_TYPES),
     ("decoder_block", ("llama2",)),
     ("profiler", ("", "xplane")),
     ("decode_sampling_strategy", ("greedy", "weighted", "topk", "nucleus")),

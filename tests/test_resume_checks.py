@@ -37,6 +37,11 @@ def test_only_stream_and_model_keys_count():
   assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_path=x"))) == [
     "tokenizer_path 'assets/tokenizer/maxlite_sp8k.model' -> 'x'"
   ]
+  parquet = _as_saved(make_config(*TINY, "grain_file_type=parquet", "grain_text_column=content"))
+  assert resume_differences(saved, parquet) == [
+    "grain_file_type 'arrayrecord' -> 'parquet'",
+    "grain_text_column 'text' -> 'content'",
+  ]
 
 
 def _train(tmp_path, *overrides):

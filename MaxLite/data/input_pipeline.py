@@ -110,6 +110,8 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
     shuffle=split == "train",
     num_epochs=None,
     worker_count=config.grain_worker_count,
+    file_type=config.grain_file_type,
+    text_column=config.grain_text_column,
   )
 
 
