@@ -12,6 +12,7 @@ import pytest
 from conftest import make_config, read_records, run_train_cli
 
 from MaxLite.data import BATCH_KEYS
+from MaxLite.data import train_tokenizer as tt
 from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.sources import open_source
 from MaxLite.errors import ConfigError, InputError
@@ -181,6 +182,13 @@ def test_bad_jsonl_lines_name_file_and_line(tmp_path):
   gz.write_bytes(b"\x1f\x8b")
   with pytest.raises(InputError, match=r"docs\.jsonl\.gz is compressed, which cannot be read at random"):
     open_source(str(gz), "jsonl")
+
+
+def test_tokenizer_tool_reads_parquet_and_jsonl_documents(corpus):
+  expect = list(tt.sentences(sorted(glob.glob(ARRAYRECORD))))
+  for kind in ("parquet", "jsonl"):
+    files, column = corpus[1][kind]
+    assert list(tt.sentences(sorted(glob.glob(files)), column)) == expect, kind
 
 
 # ------------------------------------------------------------------------------------------ end to end
