@@ -122,6 +122,23 @@ def _check_choices(c: dict[str, Any]) -> None:
       )
 
 
+def _check_data_files(c: dict[str, Any]) -> None:
+  """Files whose names say another type than grain_file_type: one line now, not a reader's complaint later (the
+  default eval files are the shipped ArrayRecord corpus, easy to forget when the train files are Parquet)."""
+  if c["dataset_type"] != "grain":
+    return
+  for key in ("grain_train_files", "grain_eval_files"):
+    for pattern in c[key].split(","):
+      named = [t for t, suffix in sources.SUFFIXES.items() if pattern.strip().endswith(suffix)]
+      if named and named[0] != c["grain_file_type"]:
+        fix = f"set grain_file_type={named[0]}"
+        if key == "grain_eval_files":
+          fix = f"set grain_eval_files to {c['grain_file_type']} files, or '' (no eval)"
+        raise ConfigError(
+          f"{key}={c[key]!r} names {named[0]} files but grain_file_type={c['grain_file_type']!r}; {fix}"
+        )
+
+
 def _check_positive(c: dict[str, Any]) -> None:
   for key in (
     "steps",
@@ -262,6 +279,7 @@ def validate_and_derive(
   """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
+  _check_data_files(c)
   _check_positive(c)
   _check_optimizer(c)
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)

@@ -37,9 +37,10 @@ def test_only_stream_and_model_keys_count():
   assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_path=x"))) == [
     "tokenizer_path 'assets/tokenizer/maxlite_sp8k.model' -> 'x'"
   ]
-  parquet = _as_saved(make_config(*TINY, "grain_file_type=parquet", "grain_text_column=content"))
-  assert resume_differences(saved, parquet) == [
-    "grain_file_type 'arrayrecord' -> 'parquet'",
+  jsonl = ("grain_file_type=jsonl", "grain_text_column=content", "grain_train_files=d/*.jsonl", "grain_eval_files=")
+  assert resume_differences(saved, _as_saved(make_config(*TINY, *jsonl))) == [
+    "grain_train_files 'assets/corpus/train-*.array_record' -> 'd/*.jsonl'",
+    "grain_file_type 'arrayrecord' -> 'jsonl'",
     "grain_text_column 'text' -> 'content'",
   ]
 

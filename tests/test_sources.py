@@ -127,7 +127,15 @@ def test_parquet_resume_continues_with_the_uninterrupted_batches(corpus):
 def test_a_bad_file_type_is_one_line_at_config_time(corpus):
   with pytest.raises(ConfigError, match=r"^grain_file_type='csv' is not one of: 'arrayrecord', 'parquet', 'jsonl'$"):
     make_config("grain_file_type=csv")
-  assert make_config("grain_file_type=parquet", "grain_text_column=content").grain_text_column == "content"
+  # File names that say another type: one line naming the key, before any file is opened.
+  expect = "grain_train_files='/data/*.parquet' names parquet files but grain_file_type='arrayrecord'; set "
+  with pytest.raises(ConfigError) as e:
+    make_config("grain_train_files=/data/*.parquet")
+  assert str(e.value) == expect + "grain_file_type=parquet"
+  with pytest.raises(ConfigError, match=r"^grain_eval_files='assets/corpus/eval-\*\.array_record' names arrayrecord "):
+    make_config("grain_train_files=/data/*.parquet", "grain_file_type=parquet")  # the default eval files
+  config = make_config("grain_train_files=/data/*.parquet", "grain_eval_files=", "grain_file_type=parquet")
+  assert config.grain_file_type == "parquet"
   with pytest.raises(ConfigError, match=r"^grain_file_type='csv' is not one of"):
     _iter(corpus, "arrayrecord", file_type="csv")
 

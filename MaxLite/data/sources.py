@@ -31,6 +31,8 @@ from MaxLite import paths
 from MaxLite.errors import ConfigError, InputError, first_line
 
 FILE_TYPES = ("arrayrecord", "parquet", "jsonl")
+# How file names of each type end: a config whose files say another type than grain_file_type is refused early.
+SUFFIXES = {"arrayrecord": ".array_record", "parquet": ".parquet", "jsonl": ".jsonl"}
 _WHAT = "data files (grain_train_files / grain_eval_files)"
 # Decoded Parquet row groups kept per source (at least the newest one, whatever its size).
 _CACHE_BYTES = 256 << 20
