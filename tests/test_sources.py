@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_config, read_records, run_train_cli
 
-from MaxLite.data import BATCH_KEYS
+from MaxLite.data import BATCH_KEYS, sources
 from MaxLite.data import train_tokenizer as tt
 from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.sources import open_source
@@ -79,7 +79,7 @@ def _assert_same(expect, got, what):
 
 
 @pytest.mark.parametrize("file_type", ["parquet", "jsonl"])
-def test_every_document_reads_as_in_arrayrecord(corpus, file_type):
+def test_every_document_reads_as_in_arrayrecord(corpus, file_type, monkeypatch):
   docs, types = corpus
   source = open_source(types[file_type][0], file_type, types[file_type][1])
   assert len(source) == len(docs) == 2095
@@ -87,6 +87,9 @@ def test_every_document_reads_as_in_arrayrecord(corpus, file_type):
   shuffled = np.random.default_rng(0).permutation(len(docs))[:300]
   fresh = pickle.loads(pickle.dumps(source))  # as grain ships a source to a worker process: no cache, same reads
   assert [fresh[int(i)] for i in shuffled] == [docs[i] for i in shuffled]
+  monkeypatch.setattr(sources, "_CACHE_BYTES", 0)  # data much larger than the cache: every miss evicts
+  evicting = pickle.loads(pickle.dumps(source))
+  assert [evicting[int(i)] for i in shuffled[:100]] == [docs[i] for i in shuffled[:100]]
   with pytest.raises(IndexError):
     source[len(docs)]
 
@@ -119,6 +122,19 @@ def test_parquet_resume_continues_with_the_uninterrupted_batches(corpus):
     parts = [next(half) for half in halves]
     got.append({k: np.concatenate([p[k] for p in parts]) for k in BATCH_KEYS})
   _assert_same(expect[30:], got, "parquet resumed at step 30")
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 64, 1 << 20])
+def test_jsonl_line_index_is_the_same_for_any_scan_piece_size(tmp_path, monkeypatch, piece):
+  """Lines that straddle the pieces the scan reads (blank, whitespace-only, CRLF, a last line without newline)."""
+  rng = np.random.default_rng(piece)
+  lines = [rng.choice(["", "  ", "\t\r", '{"text": "%s"}' % ("x" * int(rng.integers(0, 9)))]) for _ in range(1000)]
+  data = ("\n".join(lines) + '\r\n{"text": "end"}').encode()
+  (tmp_path / "a.jsonl").write_bytes(data)
+  monkeypatch.setattr(sources, "_SCAN_BYTES", piece)
+  source = open_source(str(tmp_path / "a.jsonl"), "jsonl")
+  expect = [json.loads(line)["text"] for line in data.decode().split("\n") if line.strip()]
+  assert len(source) == len(expect) > 150 and [source[i] for i in range(len(source))] == expect
 
 
 # ------------------------------------------------------------------------------------------ errors
