@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from MaxLite import attention_choice, paths
+from MaxLite.data import sources
 from MaxLite.errors import ConfigError
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
@@ -102,6 +103,7 @@ def _check_choices(c: dict[str, Any]) -> None:
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
     ("tokenizer_type", TOKENIZER_TYPES),
+    ("grain_file_type", sources.FILE_TYPES),
     ("decoder_block", ("llama2",)),
     ("rope_type", ("default", "llama3.1", "yarn")),
     ("profiler", ("", "xplane")),
@@ -121,6 +123,23 @@ def _check_choices(c: dict[str, Any]) -> None:
         f"logical_axis_rules: {rule[0]!r} maps to unknown mesh axis {unknown[0]!r}; "
         f"mesh axes are {', '.join(MESH_AXES)}"
       )
+
+
+def _check_data_files(c: dict[str, Any]) -> None:
+  """Files whose names say another type than grain_file_type: one line now, not a reader's complaint later (the
+  default eval files are the shipped ArrayRecord corpus, easy to forget when the train files are Parquet)."""
+  if c["dataset_type"] != "grain":
+    return
+  for key in ("grain_train_files", "grain_eval_files"):
+    for pattern in c[key].split(","):
+      named = [t for t, suffix in sources.SUFFIXES.items() if pattern.strip().endswith(suffix)]
+      if named and named[0] != c["grain_file_type"]:
+        fix = f"set grain_file_type={named[0]}"
+        if key == "grain_eval_files":
+          fix = f"set grain_eval_files to {c['grain_file_type']} files, or '' (no eval)"
+        raise ConfigError(
+          f"{key}={c[key]!r} names {named[0]} files but grain_file_type={c['grain_file_type']!r}; {fix}"
+        )
 
 
 def _check_positive(c: dict[str, Any]) -> None:
@@ -289,6 +308,7 @@ def validate_and_derive(
   """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
+  _check_data_files(c)
   _check_positive(c)
   _check_model_features(c)
   _check_optimizer(c)

@@ -144,6 +144,16 @@ def read_bytes(path: str) -> bytes:
     return f.read()
 
 
+def read_range(path: str, start: int, stop: int) -> bytes:
+  """Bytes [start, stop) of a file: on object stores one ranged request, not the whole object."""
+  if not is_url(path):
+    with open(path, "rb") as f:
+      f.seek(start)
+      return f.read(stop - start)
+  fs, inner = _fs(path)
+  return fs.cat_file(inner, start=start, end=stop)
+
+
 def write_text(path: str, text: str) -> None:
   with open_file(path, "w") as f:
     f.write(text)

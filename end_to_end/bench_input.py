@@ -2,6 +2,7 @@
 
   python end_to_end/bench_input.py [--seq_len 256] [--batch_size 4] [--batches 500] [--worker_count 0]
                                    [--tokenizer_path PATH --tokenizer_type sentencepiece|huggingface|tiktoken]
+                                   [--files GLOB --file_type parquet --text_column text]
 
 Times `--batches` batches after `--warmup` batches (the warm-up absorbs file opening and the first
 prefetch fill). tokens/s counts every position of a batch (seq_len * batch_size per batch), which
@@ -26,6 +27,8 @@ from MaxLite.errors import MaxLiteError
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--files", default=os.path.join(REPO, "assets", "corpus", "train-*.array_record"))
+  p.add_argument("--file_type", default="arrayrecord", help="grain_file_type of --files")
+  p.add_argument("--text_column", default="text", help="grain_text_column (parquet / jsonl)")
   p.add_argument("--tokenizer_path", default=os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model"))
   p.add_argument("--tokenizer_type", default="sentencepiece", help="sentencepiece | huggingface | tiktoken")
   p.add_argument("--seq_len", type=int, default=256)
@@ -48,6 +51,8 @@ def main() -> int:
       add_eos=True,
       worker_count=args.worker_count,
       tokenizer_type=args.tokenizer_type,
+      file_type=args.file_type,
+      text_column=args.text_column,
     )
     next(it)
   except MaxLiteError as e:
@@ -69,6 +74,7 @@ def main() -> int:
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "batches": args.batches,
+        "file_type": args.file_type,
         "worker_count": args.worker_count,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(tokens / seconds, 1),

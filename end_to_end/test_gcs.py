@@ -293,6 +293,47 @@ def test_an_unreachable_storage_endpoint_is_one_line(tmp_path):
   assert time.monotonic() - start < 120
 
 
+# Reads every document of the named sources and prints them as one JSON object: {file type: [documents]}.
+_READ_SOURCES = """
+import json, sys
+from MaxLite import paths
+from MaxLite.data.sources import open_source
+paths.use_storage_emulator_if_set()
+out = {}
+for kind, files, column in (a.split("|") for a in sys.argv[1:]):
+  source = open_source(files, kind, column)
+  out[kind] = [source[i] for i in range(len(source))]
+print(json.dumps(out))
+"""
+
+
+def test_parquet_and_jsonl_documents_read_from_gcs(gcs, tmp_path):
+  """Parquet footers and row groups through a gcsfs file, JSONL lines as ranged reads: the local documents."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from MaxLite.data.sources import open_source
+
+  eval_file = os.path.join(CORPUS, "eval-00000-of-00001.array_record")
+  documents = [open_source(eval_file)[i].decode() for i in range(len(open_source(eval_file)))]
+  halves = (documents[:40], documents[40:])
+  for k, half in enumerate(halves):
+    pq.write_table(pa.table({"body": half}), tmp_path / f"p{k}.parquet", row_group_size=16)
+    (tmp_path / f"j{k}.jsonl").write_text("".join(json.dumps({"body": d}) + "\n\n" for d in half))
+    for name in (f"p{k}.parquet", f"j{k}.jsonl"):
+      gcs.upload(BUCKET, f"mixed/{name}", (tmp_path / name).read_bytes())
+  proc = subprocess.run(
+    [sys.executable, "-c", _READ_SOURCES, f"parquet|gs://{BUCKET}/mixed/p*.parquet|body"]
+    + [f"jsonl|gs://{BUCKET}/mixed/*.jsonl|body"],
+    env=_env(gcs),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(proc.stdout) == {"parquet": documents, "jsonl": documents}
+
+
 def test_emulator_endpoints_follow_storage_emulator_host():
   """A process started after another emulator's settings were set must not keep the old endpoints
   (ArrayRecord's client would retry a dead port for many minutes)."""

@@ -36,3 +36,15 @@ def run_train_cli(*overrides: str, timeout: float = 300) -> subprocess.Completed
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   command = [sys.executable, "MaxLite/train.py", "configs/base.yml", *overrides]
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_records(paths: list[str]) -> list[str]:
+  """The UTF-8 records of ArrayRecord files, files sorted by path (read with the plain reader, not MaxLite's)."""
+  from array_record.python.array_record_module import ArrayRecordReader
+
+  out = []
+  for path in sorted(paths):
+    reader = ArrayRecordReader(path)
+    out += [r.decode() for r in reader.read_all()]
+    reader.close()
+  return out

@@ -8,13 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordReader
+from conftest import read_records
 
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data import prepare as prep
 from MaxLite.data import train_tokenizer as tt
-from MaxLite.data.grain_pipeline import make_grain_iterator, resolve_files
+from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.packing import StreamingPacker, pack_documents
+from MaxLite.data.sources import resolve_files
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.errors import InputError
 
@@ -25,15 +26,6 @@ WORDS = (
   "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of liquor "
   "and jugs near the river bank every morning before noon"
 ).split()
-
-
-def _records(paths):
-  out = []
-  for p in sorted(paths):
-    r = ArrayRecordReader(p)
-    out += [x.decode() for x in r.read_all()]
-    r.close()
-  return out
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +166,8 @@ def test_prepare_jsonl_skip_counts_and_eval_split(tmp_path):
   s = prep.prepare(str(tmp_path / "*.jsonl"), str(tmp_path / "out"), 2, fmt="jsonl", eval_fraction=0.1)
   assert s["skipped"] == {"missing_field": 2, "empty": 1}
   assert s["train_documents"] + s["eval_documents"] == 197 and 5 <= s["eval_documents"] <= 40
-  train = _records(s["train_shards"])
-  evals = _records(s["eval_shards"])
+  train = read_records(s["train_shards"])
+  evals = read_records(s["eval_shards"])
   assert len(s["train_shards"]) == 2 and sorted(train + evals) == sorted(
     f"document number {i}" for i in range(200) if i not in (3, 50, 77)
   )
@@ -280,7 +272,7 @@ def test_batches_follow_contract(corpus):
 def test_row_slots_partition_records_once_per_epoch(corpus):
   files, lines = corpus
   tok = load_tokenizer(TOKENIZER)
-  records = _records(glob.glob(files))
+  records = read_records(glob.glob(files))
   assert sorted(records) == sorted(lines)
   seen = []
   for slot in range(2):
@@ -433,7 +425,7 @@ def test_shipped_assets_exist_and_load():
   train = resolve_files(os.path.join(CORPUS, "train-*.array_record"))
   evals = resolve_files(os.path.join(CORPUS, "eval-*.array_record"))
   assert len(train) >= 2 and all(n > 100 for _, n in train) and len(evals) == 1 and evals[0][1] > 20
-  text = _records([evals[0][0]])[0]
+  text = read_records([evals[0][0]])[0]
   assert tok.decode(tok.encode(text)) == text
   b = next(
     make_grain_iterator(

@@ -40,6 +40,12 @@ def test_only_stream_and_model_keys_count():
   assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_type=huggingface"))) == [
     "tokenizer_type 'sentencepiece' -> 'huggingface'"
   ]
+  jsonl = ("grain_file_type=jsonl", "grain_text_column=content", "grain_train_files=d/*.jsonl", "grain_eval_files=")
+  assert resume_differences(saved, _as_saved(make_config(*TINY, *jsonl))) == [
+    "grain_train_files 'assets/corpus/train-*.array_record' -> 'd/*.jsonl'",
+    "grain_file_type 'arrayrecord' -> 'jsonl'",
+    "grain_text_column 'text' -> 'content'",
+  ]
 
 
 def _train(tmp_path, *overrides):

@@ -20,7 +20,15 @@ from MaxLite.errors import CheckpointError
 # Keys that define the data stream, for any dataset_type.
 STREAM_KEYS = ("dataset_type", "data_shuffle_seed", "max_target_length", "global_batch_size_to_train_on")
 # Keys that define the stream of real data only (synthetic data ignores them).
-FILE_STREAM_KEYS = ("grain_train_files", "tokenizer_path", "tokenizer_type", "add_bos", "add_eos")
+FILE_STREAM_KEYS = (
+  "grain_train_files",
+  "grain_file_type",
+  "grain_text_column",
+  "tokenizer_path",
+  "tokenizer_type",
+  "add_bos",
+  "add_eos",
+)
 
 
 def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Grain input pipeline: ArrayRecord documents -> one packed stream per global batch row -> this process's rows.
+"""Grain input pipeline: documents of files -> one packed stream per global batch row -> this process's rows.
 
     records r with r % num_slots == slot -> shuffle(seed, slot) -> repeat -> tokenize   (a grain MapDataset)
       -> pack (packing.StreamingPacker) -> one row per step for that slot
@@ -10,6 +10,9 @@ batches depends only on the files, tokenizer, seed, sequence length, global batc
 how many processes read it, the mesh, or the device order: a process builds exactly the slots its devices
 hold, and nobody reads another slot's records.
 
+The files are ArrayRecord, Parquet or JSONL (sources.py: document i of the concatenated files, by random
+access); the same documents in any of them give the same batches.
+
 Everything up to tokenization is random access (a pure function of the index), so a slot's state is two
 integers: the index of the document it is in the middle of (or the next one) and how many of its pairs were
 already emitted. The iterator's state is {slot: [index, offset]} for its slots plus num_slots; states of
@@ -18,66 +21,31 @@ several processes merge into one dict, and any other topology restores its own s
 
 from __future__ import annotations
 
-import bisect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grain
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordReader
 
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data.packing import StreamingPacker, empty_row
+from MaxLite.data.sources import open_source
 from MaxLite.data.tokenizer import Tokenizer, load_tokenizer
-from MaxLite.errors import ConfigError, InputError, first_line
-from MaxLite.paths import expand_globs
-
-
-def resolve_files(files: str) -> list[tuple[str, int]]:
-  """(path, record count) of every ArrayRecord file the globs name; InputError for none / unreadable."""
-  paths = expand_globs(files, "data files (grain_train_files / grain_eval_files)")
-  out = []
-  for path in paths:
-    try:
-      reader = ArrayRecordReader(path)
-      out.append((path, reader.num_records()))
-      reader.close()
-    except Exception as e:  # the C++ reader raises plain RuntimeError
-      raise InputError(f"data files: not a readable ArrayRecord file: {path} ({first_line(e)})") from None
-  return out
-
-
-class _CheckedSource:
-  """grain's ArrayRecordDataSource, but a read failure becomes an InputError naming the file."""
-
-  def __init__(self, files: list[tuple[str, int]]):
-    self._files = files
-    self._ends = list(np.cumsum([n for _, n in files]))
-    # "path[start:stop]" tells grain the record count, so it does not open every file again.
-    self._source = grain.sources.ArrayRecordDataSource([f"{p}[0:{n}]" for p, n in files])
-
-  def __len__(self) -> int:
-    return int(self._ends[-1]) if self._ends else 0
-
-  def __getitem__(self, index: int) -> bytes:
-    try:
-      return self._source[index]
-    except Exception as e:
-      path = self._files[bisect.bisect_right(self._ends, index)][0]
-      raise InputError(f"data files: cannot read record from {path} ({first_line(e)})") from None
+from MaxLite.errors import ConfigError, InputError
 
 
 class _Tokenize(grain.transforms.Map):
-  """UTF-8 document bytes -> int32 token ids, optionally framed by BOS/EOS. A tokenizer without a BOS (Qwen) or
-  EOS gets none: add_bos/add_eos then add nothing (-1 would index no embedding row)."""
+  """A document (UTF-8 bytes or str, as the source gives it) -> int32 token ids, optionally framed by BOS/EOS.
+  A tokenizer without a BOS (Qwen) or EOS gets none: add_bos/add_eos then add nothing (-1 is no embedding row)."""
 
   def __init__(self, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
     self._tok = tokenizer
     self._bos = add_bos and tokenizer.bos_id >= 0
     self._eos = add_eos and tokenizer.eos_id >= 0
 
-  def map(self, element: bytes) -> np.ndarray:
-    ids = self._tok.encode(element.decode("utf-8", errors="replace"))
+  def map(self, element: bytes | str) -> np.ndarray:
+    text = element if isinstance(element, str) else element.decode("utf-8", errors="replace")
+    ids = self._tok.encode(text)
     if self._bos:
       ids.insert(0, self._tok.bos_id)
     if self._eos:
@@ -184,14 +152,17 @@ def make_grain_iterator(
   num_epochs: int | None = None,
   worker_count: int = 0,
   tokenizer_type: str = "sentencepiece",
+  file_type: str = "arrayrecord",
+  text_column: str = "text",
 ) -> SlotBatchIterator:
   """Iterator of dicts of int32 arrays [len(slots), seq_len] (keys: data.BATCH_KEYS): rows `slots` of each
   global batch of `num_slots` rows.
 
-  `files`: glob or comma-separated globs of ArrayRecord files of UTF-8 documents. num_epochs=None repeats
-  forever; with a finite count an exhausted slot yields segmentation-0 rows until every slot is exhausted,
-  then StopIteration. get_state()/set_state() restore exactly the next batch in a fresh iterator.
-  `worker_count` threads fill the slots (the rows do not depend on it). `tokenizer_type`: see data/tokenizer.py.
+  `files`: glob or comma-separated globs of `file_type` files (sources.FILE_TYPES; `text_column` names the text
+  of Parquet rows / JSONL objects). num_epochs=None repeats forever; with a finite count an exhausted slot yields
+  segmentation-0 rows until every slot is exhausted, then StopIteration. get_state()/set_state() restore exactly
+  the next batch in a fresh iterator. `worker_count` threads fill the slots (the rows do not depend on it).
+  `tokenizer_type`: see data/tokenizer.py.
   """
   if seq_len < 1 or num_slots < 1 or not slots:
     raise ConfigError(f"seq_len, num_slots and slots must be positive, got {seq_len}, {num_slots}, {list(slots)}")
@@ -202,7 +173,7 @@ def make_grain_iterator(
   if worker_count < 0:
     raise ConfigError(f"grain_worker_count must be >= 0, got {worker_count}")
   tokenizer = load_tokenizer(tokenizer_path, tokenizer_type)
-  source = _CheckedSource(resolve_files(files))
+  source = open_source(files, file_type, text_column)
   if len(source) < num_slots:
     raise InputError(
       f"data files {files!r} hold {len(source)} records, fewer than the {num_slots} rows of a global batch "

@@ -115,6 +115,8 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
     num_epochs=None,
     worker_count=config.grain_worker_count,
     tokenizer_type=config.tokenizer_type,
+    file_type=config.grain_file_type,
+    text_column=config.grain_text_column,
   )
 
 

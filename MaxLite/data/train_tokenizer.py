@@ -1,4 +1,4 @@
-"""Trains a sentencepiece tokenizer on ArrayRecord shards (from prepare.py) or plain text files.
+"""Trains a sentencepiece tokenizer on ArrayRecord shards (from prepare.py), Parquet / JSONL files or plain text.
 
 Example (or: maxlite-train-tokenizer ...):
   python MaxLite/data/train_tokenizer.py --input 'assets/corpus/train-*.array_record' \
@@ -22,6 +22,7 @@ import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordReader
 
 from MaxLite import cli
+from MaxLite.data.sources import open_source
 from MaxLite.errors import InputError, first_line
 from MaxLite.paths import expand_globs
 
@@ -33,8 +34,11 @@ _RECORDS_PER_READ = 256
 _REQUIRED_CHARS = "".join(chr(c) for c in range(33, 127))
 
 
-def _documents(path: str) -> Iterator[str]:
-  if path.endswith(".array_record"):
+def _documents(path: str, text_column: str) -> Iterator[str]:
+  if path.endswith((".parquet", ".jsonl")):  # the documents training reads with grain_file_type=parquet / jsonl
+    source = open_source(path, path.rsplit(".", 1)[1], text_column)
+    yield from (source[i] for i in range(len(source)))
+  elif path.endswith(".array_record"):
     try:
       reader = ArrayRecordReader(path)
       n = reader.num_records()
@@ -52,10 +56,10 @@ def _documents(path: str) -> Iterator[str]:
         yield piece
 
 
-def sentences(files: Sequence[str]) -> Iterator[str]:
+def sentences(files: Sequence[str], text_column: str = "text") -> Iterator[str]:
   """Non-blank lines of every document, each at most _MAX_SENTENCE_BYTES UTF-8 bytes."""
   for path in files:
-    for doc in _documents(path):
+    for doc in _documents(path, text_column):
       for line in doc.splitlines():
         if not line.strip():
           continue
@@ -74,6 +78,7 @@ def train_tokenizer(
   character_coverage: float = 0.9995,
   seed: int = 0,
   num_threads: int | None = None,
+  text_column: str = "text",
 ) -> str:
   """Trains and writes `<model_prefix>.model` (and .vocab); returns the .model path."""
   files = expand_globs(input_glob, "--input")
@@ -83,7 +88,7 @@ def train_tokenizer(
   os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
   spm.set_random_generator_seed(seed)  # the sentence sample is then reproducible
   spm.SentencePieceTrainer.train(
-    sentence_iterator=sentences(files),
+    sentence_iterator=sentences(files, text_column),
     model_prefix=model_prefix,
     vocab_size=vocab_size,
     model_type=model_type,
@@ -109,7 +114,8 @@ def train_tokenizer(
 
 def run(argv: Sequence[str]) -> int:
   p = cli.FlagParser(__doc__)
-  p.add_argument("--input", required=True, help="glob(s), comma-separated: .array_record shards or text files")
+  p.add_argument("--input", required=True, help="glob(s), comma-separated: .array_record, .parquet, .jsonl or text")
+  p.add_argument("--text_column", default="text", help="the text of .parquet rows / .jsonl objects (grain_text_column)")
   p.add_argument("--model_prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
   p.add_argument("--vocab_size", type=int, default=8192)
   p.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe")
@@ -124,6 +130,7 @@ def run(argv: Sequence[str]) -> int:
       model_type=args.model_type,
       input_sentence_size=args.input_sentence_size,
       seed=args.seed,
+      text_column=args.text_column,
     )
   except RuntimeError as e:  # sentencepiece's own complaints, e.g. a vocabulary too large for the text
     raise InputError(f"sentencepiece: {str(e).strip().splitlines()[-1]}") from None
