@@ -18,13 +18,30 @@ VOCAB = 512
 PROMPT = "The history of"
 
 
-def llama_folder(path):
-  """What a user downloads: config.json + safetensors + tokenizer.json + tokenizer_config.json (Llama 3 specials)."""
+def corpus_documents():
   from array_record.python.array_record_module import ArrayRecordReader
 
   reader = ArrayRecordReader(os.path.join(REPO, "assets", "corpus", "train-00000-of-00004.array_record"))
-  documents = [r.decode("utf-8") for r in reader.read(list(range(300)))]
-  reader.close()
+  try:
+    return [r.decode("utf-8") for r in reader.read(list(range(reader.num_records())))]
+  finally:
+    reader.close()
+
+
+def parquet_shards(folder, documents, shards=2):
+  """The user's data: Parquet files with a `text` column, as data sets on the hub ship them."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  os.makedirs(folder)
+  for i in range(shards):
+    table = pa.table({"id": list(range(i, len(documents), shards)), "text": documents[i::shards]})
+    pq.write_table(table, os.path.join(folder, f"train-{i:05d}.parquet"), row_group_size=100)
+
+
+def llama_folder(path):
+  """What a user downloads: config.json + safetensors + tokenizer.json + tokenizer_config.json (Llama 3 specials)."""
+  documents = corpus_documents()[:300]
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -64,6 +81,7 @@ def command(*args, timeout=300):
 def test_convert_train_decode_export(tmp_path):
   hf, ckpt, out = str(tmp_path / "Llama-3.2-1B"), str(tmp_path / "ckpt"), str(tmp_path / "export")
   llama_folder(hf)
+  parquet_shards(str(tmp_path / "fineweb"), corpus_documents())
   tokenizer = ("tokenizer_type=huggingface", f"tokenizer_path={hf}")
   command("MaxLite/convert_hf.py", "to_maxlite", f"--hf_path={hf}", f"--output_path={ckpt}")
   command(
@@ -71,6 +89,10 @@ def test_convert_train_decode_export(tmp_path):
     "configs/base.yml",
     f"load_parameters_path={ckpt}/0",
     *tokenizer,
+    "grain_file_type=parquet",
+    f"grain_train_files={tmp_path / 'fineweb'}/*.parquet",
+    "grain_eval_files=",
+    "grain_text_column=text",
     "steps=3",
     "max_target_length=64",
     "per_device_batch_size=2",
