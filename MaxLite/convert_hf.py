@@ -1,4 +1,4 @@
-"""Convert Hugging Face Llama/Mistral checkpoints to MaxLite checkpoints and back.
+"""Convert Hugging Face Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE checkpoints to MaxLite checkpoints and back.
 
 Usage:
   python MaxLite/convert_hf.py to_maxlite --hf_path=DIR --output_path=CKPT [CONFIG.yml] [key=value ...]
