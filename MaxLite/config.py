@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 import yaml
+from absl import logging
 
 from MaxLite import maxtext_compat, paths
 from MaxLite.checkpoint import saved_config_path, step_dir_of
@@ -237,6 +238,7 @@ MODEL_KEYS = (
   "rope_low_freq_factor",
   "rope_high_freq_factor",
   "original_max_position_embeddings",
+  "max_position_embeddings",
   "beta_fast",
   "beta_slow",
   "rope_truncate",
@@ -266,8 +268,12 @@ def _take_model_from_checkpoint(config: dict[str, Any], explicit: set[str], defa
   path = config["load_parameters_path"] or config["load_full_state_path"]
   settings = checkpoint_model_settings(path) if path else None
   for key, value in (settings or {}).items():
+    saved = coerce(key, value, defaults[key], f"from the checkpoint {path}")
     if key not in explicit:
-      config[key] = coerce(key, value, defaults[key], f"from the checkpoint {path}")
+      config[key] = saved
+    elif config[key] != saved and key != "scan_layers":
+      # Legitimate (a longer context by a new rope_max_timescale / rope_factor), but never silent.
+      logging.warning("%s=%s overrides the value %s of the checkpoint %s", key, config[key], saved, path)
 
 
 def load_config(

@@ -4,6 +4,8 @@ its greedy continuation is the text decode.py printed."""
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -61,6 +63,7 @@ def llama_folder(path):
     head_dim=16,
     tie_word_embeddings=True,
     rope_parameters=dict(rope, rope_theta=500000.0, original_max_position_embeddings=32),
+    max_position_embeddings=131072,
     bos_token_id=0,
     eos_token_id=1,
   )
@@ -71,52 +74,63 @@ def llama_folder(path):
     json.dump({"bos_token": specials[0], "eos_token": specials[1], "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
-def command(*args, timeout=300):
+def readme_commands():
+  """The command lines of README's "Continue pretraining Llama 3.2 1B" block (continuations joined, comments out)."""
+  with open(os.path.join(REPO, "README.md")) as f:
+    text = f.read()
+  block = text.split("### Continue pretraining Llama 3.2 1B", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+  lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+  return [shlex.split(line) for line in lines]
+
+
+def run(args, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
   return done.stdout
 
 
-def test_convert_train_decode_export(tmp_path):
-  hf, ckpt, out = str(tmp_path / "Llama-3.2-1B"), str(tmp_path / "ckpt"), str(tmp_path / "export")
+def test_readme_commands_convert_train_decode_export(tmp_path):
+  """The README's four commands as written, with its paths pointed at this test's files and, appended (later keys
+  win), what a laptop needs: float32, 3 steps of 64 tokens."""
+  hf, out = str(tmp_path / "Llama-3.2-1B"), str(tmp_path / "export")
   llama_folder(hf)
   parquet_shards(str(tmp_path / "fineweb"), corpus_documents())
-  tokenizer = ("tokenizer_type=huggingface", f"tokenizer_path={hf}")
-  command("MaxLite/convert_hf.py", "to_maxlite", f"--hf_path={hf}", f"--output_path={ckpt}")
-  command(
-    "MaxLite/train.py",
-    "configs/base.yml",
-    f"load_parameters_path={ckpt}/0",
-    *tokenizer,
-    "grain_file_type=parquet",
-    f"grain_train_files={tmp_path / 'fineweb'}/*.parquet",
-    "grain_eval_files=",
-    "grain_text_column=text",
-    "steps=3",
-    "max_target_length=64",
-    "per_device_batch_size=2",
-    "learning_rate=1e-3",
-    "enable_checkpointing=true",
-    "eval_interval=-1",
-    f"base_output_directory={tmp_path}",
-    "run_name=continued",
-  )
-  step = str(tmp_path / "continued" / "checkpoints" / "3")
-  decode = ("max_target_length=64", "max_prefill_predict_length=16", "max_decode_steps=8", "jax_cache_dir=")
-  printed = command(
-    "MaxLite/decode.py", "configs/base.yml", f"load_parameters_path={step}", *tokenizer, *decode, f"prompt={PROMPT}"
-  )
-  ours = printed.split(f"[0] {PROMPT}", 1)[1].rstrip("\n")
-  command("MaxLite/convert_hf.py", "to_hf", f"--checkpoint_path={step}", f"--output_path={out}", *tokenizer)
+  places = {
+    "Llama-3.2-1B": hf,
+    "ckpt/llama3.2-1b": str(tmp_path / "ckpt"),
+    "data/fineweb/*.parquet": f"{tmp_path}/fineweb/*.parquet",
+    "outputs/llama32-cpt/checkpoints/2000": str(tmp_path / "llama32-cpt" / "checkpoints" / "3"),
+    "llama32-cpt-hf": out,
+  }
+  pattern = re.compile("|".join(re.escape(k) for k in sorted(places, key=len, reverse=True)))
+  laptop = {
+    "convert_hf.py": ["weight_dtype=float32"],
+    "train.py": ["dtype=float32", "weight_dtype=float32", "steps=3", "max_target_length=64", "per_device_batch_size=2"]
+    + [f"base_output_directory={tmp_path}", "eval_interval=-1"],
+    "decode.py": ["max_target_length=64", "max_prefill_predict_length=16", "max_decode_steps=8", "jax_cache_dir="],
+  }
+  commands = readme_commands()
+  assert [c[1] for c in commands] == ["MaxLite/convert_hf.py", "MaxLite/train.py", "MaxLite/decode.py"] + [
+    "MaxLite/convert_hf.py"
+  ]
+  printed = {}
+  for python, script, *args in commands:
+    assert python == "python"
+    args = [pattern.sub(lambda m: places[m.group(0)], a) for a in args]
+    extra = [] if "to_hf" in args else laptop[os.path.basename(script)]
+    printed[script] = run([script, *args, *extra])
+  prompt = "The capital of France is"
+  ours = printed["MaxLite/decode.py"].split(f"[0] {prompt}", 1)[1].rstrip("\n")
 
   model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   tok = transformers.AutoTokenizer.from_pretrained(out)
   assert (model.config.bos_token_id, model.config.eos_token_id) == (0, 1)  # from the tokenizer, not Llama 2's 1, 2
   assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.tie_word_embeddings
+  assert model.config.max_position_embeddings == 131072  # as the original folder declares
   original = transformers.AutoModelForCausalLM.from_pretrained(hf)
   assert not torch.equal(model.model.embed_tokens.weight, original.model.embed_tokens.weight)  # training moved it
-  ids = [0] + tok(PROMPT, add_special_tokens=False)["input_ids"]  # add_bos=true, as decode.py
+  ids = [0] + tok(prompt, add_special_tokens=False)["input_ids"]  # add_bos=true, as decode.py
   with torch.no_grad():
     generated = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=1)[0, len(ids) :]
   assert tok.decode([t for t in generated.tolist() if t != 1]) == ours

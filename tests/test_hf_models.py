@@ -84,39 +84,111 @@ def test_converted_model_matches_transformers_and_exports_back_exactly(tmp_path,
     np.testing.assert_array_equal(reloaded(torch.tensor(ids)).logits.numpy(), expected)
 
 
-# The published config.json fields that decide the model (values from the Hugging Face Hub model cards' files).
-LLAMA_3_2_1B = {
-  "architectures": ["LlamaForCausalLM"],
-  "hidden_size": 2048,
-  "intermediate_size": 8192,
-  "num_attention_heads": 32,
-  "num_key_value_heads": 8,
-  "head_dim": 64,
-  "num_hidden_layers": 16,
-  "vocab_size": 128256,
-  "rms_norm_eps": 1e-05,
-  "rope_theta": 500000.0,
-  "rope_scaling": {
-    "factor": 32.0,
-    "high_freq_factor": 4.0,
-    "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192,
-    "rope_type": "llama3",
-  },
-  "tie_word_embeddings": True,
-  "attention_bias": False,
-  "mlp_bias": False,
-  "hidden_act": "silu",
+# The fields of each model's published config.json (Hugging Face Hub) that decide the model.
+_LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0}
+_LLAMA3.update(num_key_value_heads=8, max_position_embeddings=131072, hidden_act="silu")
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0}
+_QWEN3.update(head_dim=128, max_position_embeddings=40960, hidden_act="silu", use_sliding_window=False)
+PUBLISHED_CONFIGS = {
+  "llama3.1-8b": dict(
+    _LLAMA3,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_hidden_layers=32,
+    tie_word_embeddings=False,
+    rope_scaling=dict(_LLAMA3_SCALING, factor=8.0, original_max_position_embeddings=8192),
+  ),
+  "llama3.1-70b": dict(
+    _LLAMA3,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_hidden_layers=80,
+    tie_word_embeddings=False,
+    rope_scaling=dict(_LLAMA3_SCALING, factor=8.0, original_max_position_embeddings=8192),
+  ),
+  "llama3.2-1b": dict(
+    _LLAMA3,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_hidden_layers=16,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_scaling=dict(_LLAMA3_SCALING, factor=32.0, original_max_position_embeddings=8192),
+  ),
+  "llama3.2-3b": dict(
+    _LLAMA3,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_attention_heads=24,
+    num_hidden_layers=28,
+    head_dim=128,
+    tie_word_embeddings=True,
+    rope_scaling=dict(_LLAMA3_SCALING, factor=32.0, original_max_position_embeddings=8192),
+  ),
+  "qwen2.5-7b": dict(
+    architectures=["Qwen2ForCausalLM"],
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    num_hidden_layers=28,
+    vocab_size=152064,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000.0,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    hidden_act="silu",
+  ),
+  "qwen3-0.6b": dict(
+    _QWEN3,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_hidden_layers=28,
+    tie_word_embeddings=True,
+  ),
+  "qwen3-8b": dict(
+    _QWEN3,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=36,
+    tie_word_embeddings=False,
+  ),
+  "qwen3-30b-a3b": dict(
+    _QWEN3,
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    num_hidden_layers=48,
+    tie_word_embeddings=False,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+  ),
 }
+LLAMA_3_2_1B = PUBLISHED_CONFIGS["llama3.2-1b"]
 
 
-def test_published_llama_3_2_config_maps_to_the_shipped_model_config():
+@pytest.mark.parametrize("model_name", list(PUBLISHED_CONFIGS))
+def test_shipped_model_configs_hold_the_published_config_json_values(model_name):
   from conftest import make_config
 
-  settings = model_settings_from_hf(LLAMA_3_2_1B, "config.json")
-  shipped = make_config("model_name=llama3.2-1b")
-  for key, value in settings.items():
-    assert getattr(shipped, key) == value, key
+  settings = model_settings_from_hf(PUBLISHED_CONFIGS[model_name], "config.json")
+  shipped = make_config(f"model_name={model_name}")
+  assert {key: getattr(shipped, key) for key in settings} == settings
 
 
 @pytest.mark.parametrize(
@@ -128,6 +200,11 @@ def test_published_llama_3_2_config_maps_to_the_shipped_model_config():
     ({"attention_bias": True}, "attention_bias=true is not supported for LlamaForCausalLM"),
     ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor is not supported"),
+    (
+      {"architectures": ["MistralForCausalLM"]},
+      r"sliding_window=4096 is not supported .* set \"sliding_window\": null",
+    ),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling.factor is missing"),
   ],
 )
 def test_unsupported_variants_are_one_line_naming_the_field(change, fragment):
@@ -180,3 +257,70 @@ def test_model_configs_have_the_published_parameter_count_and_transformers_agree
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
   assert type(model).__name__ == hf["architectures"][0]
   assert sum(p.numel() for p in model.parameters()) == config.num_params
+
+
+@pytest.mark.parametrize(
+  "model_name, overrides",
+  [
+    ("llama3.1-8b", ()),  # llama3 scaling with pairs in all three bands (kept, blended, stretched)
+    ("llama3.2-1b", ()),
+    ("qwen3-8b", ()),
+    ("qwen3-8b", ("rope_type=yarn", "rope_factor=4", "original_max_position_embeddings=32768")),  # Qwen3's long context
+    (
+      "llama3.1-8b",
+      ("rope_type=yarn", "rope_factor=40", "original_max_position_embeddings=4096", "rope_truncate=false"),
+    ),
+  ],
+)
+def test_rope_frequencies_equal_transformers(model_name, overrides):
+  from conftest import make_config
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  from MaxLite.checkpoint.hf_layout import hf_config_from_model
+  from MaxLite.layers.rope import rope_frequencies
+
+  config = make_config(f"model_name={model_name}", *overrides)
+  hf = hf_config_from_model(config)
+  kind = (hf["rope_scaling"] or {}).get("rope_type", "default")
+  hf_config = transformers.AutoConfig.for_model(**hf)
+  if kind == "default":
+    expected, scale = (
+      1.0 / (config.rope_max_timescale ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)),
+      1.0,
+    )
+  else:
+    expected, scale = ROPE_INIT_FUNCTIONS[kind](hf_config)
+  ours, our_scale = rope_frequencies(config)
+  np.testing.assert_allclose(ours, expected.numpy(), rtol=2.5e-7, atol=0)  # one float32 ulp
+  assert our_scale == pytest.approx(scale, rel=1e-12)
+  if kind == "llama3":
+    wavelength = 2 * np.pi / expected.numpy()
+    original = config.original_max_position_embeddings
+    assert (wavelength < original / 4).any() and (wavelength > original).any()
+    assert ((wavelength > original / 4) & (wavelength < original)).any()
+
+
+def test_config_json_that_does_not_fit_the_weights_is_one_line(tmp_path):
+  _, path = hf_model(tmp_path, "qwen3_tied")  # head_dim 24
+  with open(os.path.join(path, "config.json")) as f:
+    hf = json.load(f)
+  del hf["head_dim"]  # Qwen3's default is 128, not hidden / heads
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f)
+  with pytest.raises(InputError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \(96, 64\)"):
+    convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+
+
+def test_loading_drops_no_parameter_and_exports_no_foreign_bos(tmp_path):
+  from MaxLite.errors import CheckpointError
+
+  _, path = hf_model(tmp_path, "qwen3_tied")
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  with pytest.raises(CheckpointError, match=r"has 'params.decoder.layers.self_attention.key_norm.scale' which"):
+    maxlite_params(maxlite_config(step_dir, "use_qk_norm=false"), step_dir)
+  # No tokenizer given and the shipped one does not fit this model: no BOS/EOS ids rather than its 1 and 2.
+  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
+  with open(tmp_path / "back" / "config.json") as f:
+    exported = json.load(f)
+  assert exported["bos_token_id"] is None and exported["eos_token_id"] is None
+  assert exported["max_position_embeddings"] == 128  # config.json's, kept through MaxLite

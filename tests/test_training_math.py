@@ -205,3 +205,17 @@ def test_bfloat16_loss_curve_tracks_float32(tmp_path):
   assert f32[-1] < 0.8 * f32[0] and bf16[-1] < 0.8 * bf16[0]  # both learn
   assert relative.max() > 1e-5  # bfloat16 really computed in bfloat16, not the float32 program again
   assert relative.max() < BF16_BAND
+
+
+def test_weight_decay_spares_norm_scales_and_biases():
+  """With zero gradients AdamW's update is the decay alone: kernels shrink, norm scales and biases do not move."""
+  import jax.numpy as jnp
+
+  from MaxLite.training.optimizer import create_optimizer
+
+  config = make_config("model_name=tiny", "adam_weight_decay=0.5", "learning_rate=0.1", "warmup_steps_fraction=0")
+  params = {"query": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}}
+  tx = create_optimizer(config)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  assert float(jnp.abs(updates["query"]["kernel"]).min()) > 0
+  assert float(jnp.abs(updates["query"]["bias"]).max()) == 0 and float(jnp.abs(updates["norm"]["scale"]).max()) == 0

@@ -10,6 +10,7 @@ and written into the one output copy; orbax's save then stages serialisation buf
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,7 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   params: dict = {}
   n = config.base_num_decoder_layers
   for t in global_tensors(config.logits_via_embedding):
-    _set(params, t.path, _checked(t.to_maxlite(reader.read(t.hf_name)), t.hf_name).astype(dtype))
+    _set(params, t.path, _converted(reader, t.hf_name, t.to_maxlite).astype(dtype))
   for t in layer_tensors(config):
     stacked = None
     for i in range(n):
@@ -79,15 +80,21 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
 def _read_layer_tensor(reader: SafetensorsReader, t: Any, layer: int, num_experts: int) -> np.ndarray:
   name = f"model.layers.{layer}.{t.hf_name}"
   if "{e}" not in name:
-    return _checked(t.to_maxlite(reader.read(name)), name)
-  experts = [name.format(e=e) for e in range(num_experts)]
-  return np.stack([_checked(t.to_maxlite(reader.read(x)), x) for x in experts])
+    return _converted(reader, name, t.to_maxlite)
+  return np.stack([_converted(reader, name.format(e=e), t.to_maxlite) for e in range(num_experts)])
 
 
-def _checked(value: np.ndarray, name: str) -> np.ndarray:
+def _converted(reader: SafetensorsReader, name: str, to_maxlite: Any) -> np.ndarray:
+  value = reader.read(name)
   if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
     raise InputError(f"tensor {name!r} has dtype {value.dtype}, expected floating point")
-  return value
+  try:
+    return to_maxlite(value)
+  except ValueError:  # a reshape to the heads / head_dim of config.json
+    raise InputError(
+      f"tensor {name!r} has shape {value.shape}, which does not fit the model from config.json "
+      "(the safetensors do not match config.json)"
+    ) from None
 
 
 def _abstract_params(config: Any) -> Any:
@@ -149,6 +156,16 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
 
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
   tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
+  ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}
+  if not any(a.startswith("tokenizer_path=") for a in argv) and tokenizer.vocab_size != config.vocab_size:
+    # The shipped default tokenizer is not this model's: its BOS/EOS ids would be someone else's.
+    logging.warning("to_hf: no tokenizer_path given; bos_token_id/eos_token_id are left null in config.json")
+    ids = {name: -1 for name in ids}
+  elif tokenizer.vocab_size > config.vocab_size:
+    raise InputError(
+      f"tokenizer_path={config.tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+      f"{config.vocab_size}: pass the model's own tokenizer (tokenizer_type=... tokenizer_path=...)"
+    )
   abstract = _abstract_params(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
@@ -172,7 +189,6 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
       else:
         add(name, value, t.to_hf)
   files = write_checkpoint(output_path, tensors)
-  ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}
   hf_config = hf_config_from_model(config, **{name: i if i >= 0 else None for name, i in ids.items()})
   paths.write_text(paths.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
   return ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
@@ -184,9 +200,11 @@ def _copy_tokenizer_files(config: Any, output_path: str) -> list[str]:
     return []
   source = paths.resolve(config.tokenizer_path)
   folder = source if paths.isdir(source) else paths.dirname(source)
+  files = {"tokenizer.json": source if paths.isfile(source) else paths.join(folder, "tokenizer.json")}
+  files.update({name: paths.join(folder, name) for name in ("tokenizer_config.json", "special_tokens_map.json")})
   copied = []
-  for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-    if paths.isfile(paths.join(folder, name)):
-      paths.write_bytes(paths.join(output_path, name), paths.read_bytes(paths.join(folder, name)))
+  for name, path in files.items():
+    if paths.isfile(path):
+      paths.write_bytes(paths.join(output_path, name), paths.read_bytes(path))
       copied.append(name)
   return copied

@@ -42,6 +42,10 @@ class Tensor(NamedTuple):
   to_hf: Callable[[np.ndarray], np.ndarray]
 
 
+# transformers' defaults where config.json leaves a field out (each config class's own, not Llama's).
+_DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4}
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+
 _SAME = (lambda w: w, lambda k: k)
 _TRANSPOSED = (np.transpose, np.transpose)
 
@@ -54,7 +58,11 @@ def _rope_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
     raise InputError(f"{source}: partial_rotary_factor is not supported (MaxLite rotates the whole head)")
   if kind == "default":
     return {"rope_max_timescale": theta, "rope_type": "default"}
-  original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+  # transformers prefers a top-level original_max_position_embeddings to the one in rope_scaling
+  original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+  original = original or hf.get("max_position_embeddings")
+  if rope.get("factor") is None:
+    raise InputError(f"{source}: rope_scaling.factor is missing (rope_type {kind!r} needs it)")
   if kind == "llama3":
     return {
       "rope_max_timescale": theta,
@@ -94,17 +102,24 @@ def model_settings_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     raise InputError(f"{source}: attention_bias=true is not supported for {arch} (its o_proj would have a bias)")
   if hf.get("use_sliding_window"):
     raise InputError(f"{source}: use_sliding_window=true is not supported (MaxLite attends over the whole sequence)")
+  window = hf.get("sliding_window", 4096) if arch == "MistralForCausalLM" else None  # Mistral's own default
+  if window is not None:
+    raise InputError(
+      f"{source}: sliding_window={window} is not supported (MaxLite attends over the whole sequence); the model is "
+      f'the same for sequences of at most {window} tokens: set "sliding_window": null in config.json to convert'
+    )
   heads = hf["num_attention_heads"]
   settings = {
     "base_emb_dim": hf["hidden_size"],
     "base_num_query_heads": heads,
-    "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
-    "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+    "base_num_kv_heads": hf.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(arch, heads),
+    "head_dim": hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch, hf["hidden_size"] // heads),
     "base_mlp_dim": hf["intermediate_size"],
     "base_num_decoder_layers": hf["num_hidden_layers"],
     "vocab_size": hf["vocab_size"],
     "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
     "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+    "max_position_embeddings": int(hf.get("max_position_embeddings") or -1),
     "attention_bias": qwen2,
     "use_qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     "num_experts": 1,
@@ -163,7 +178,9 @@ def _rope_scaling(config: Any) -> dict[str, Any] | None:
 def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
   arch = architecture_of(config)
   scaling = _rope_scaling(config)
-  context = int(config.original_max_position_embeddings * config.rope_factor) if scaling else config.max_target_length
+  context = config.max_position_embeddings
+  if context < 1:
+    context = int(config.original_max_position_embeddings * config.rope_factor) if scaling else config.max_target_length
   out = {
     "architectures": [arch],
     "model_type": _MODEL_TYPE[arch],
@@ -179,7 +196,7 @@ def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | N
     "rope_theta": config.rope_max_timescale,
     "rope_scaling": scaling,
     "tie_word_embeddings": config.logits_via_embedding,
-    "max_position_embeddings": max(context, config.max_target_length),
+    "max_position_embeddings": context,
     "bos_token_id": bos_id,
     "eos_token_id": eos_id,
     "torch_dtype": config.weight_dtype,

@@ -248,8 +248,16 @@ def saved_arrays(state_dir: str) -> dict[str, Any]:
 
 
 def check_compatible(state_dir: str, target: Any) -> None:
-  """Names the first parameter whose saved shape differs from (or is missing for) this config."""
+  """Names the first parameter whose saved shape differs from (or is missing for) this config, or a saved
+  parameter this config lacks (e.g. q/k norms of a checkpoint loaded with use_qk_norm=false)."""
   saved = saved_arrays(state_dir)
+  wanted = {path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+  extra = sorted(n for n in saved if n.startswith("params.") and n not in wanted)
+  if extra and any(n.startswith("params.") for n in wanted):
+    raise CheckpointError(
+      f"checkpoint {state_dir} has '{extra[0]}' which this config's model lacks ({len(extra)} such); "
+      "is it from a different model (attention_bias, use_qk_norm, num_experts ...)?"
+    )
   for path, want in jax.tree_util.tree_flatten_with_path(target)[0]:
     name = path_name(path)
     if name not in saved:

@@ -3,7 +3,8 @@
 rope_type (MaxText's key): `default` (Llama 2/3, Qwen: theta**(-2i/d)), `llama3.1` (Llama 3.1+: long wavelengths
 divided by rope_factor, a smooth blend between low_freq and high_freq wavelengths) and `yarn` (YaRN: a ramp between
 interpolated and original frequencies by rotation count, plus an attention scale on cos/sin). The schedules are
-numbers fixed by the config, computed once in float64 numpy and used in float32 like transformers does.
+numbers fixed by the config, computed once in float32 numpy in the order transformers (and Meta's reference code)
+computes them: equal to transformers' to within one float32 ulp (libraries round float32 pow differently).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _exponents(head_dim: int) -> np.ndarray:
+  return np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+
+
 def default_frequencies(head_dim: int, theta: float) -> np.ndarray:
   """theta ** (-2i / head_dim) for i < head_dim / 2: the angle per position of each rotated pair."""
-  return 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  return np.float32(1.0) / np.float32(theta) ** _exponents(head_dim)
 
 
 def llama31_frequencies(
@@ -26,12 +31,14 @@ def llama31_frequencies(
 ) -> np.ndarray:
   """Wavelengths shorter than original_length / high_freq_factor stay, longer than original_length /
   low_freq_factor are stretched by `factor`, and the ones between blend the two linearly in 1/wavelength."""
-  wavelength = 2 * math.pi / freq
-  smooth = (original_length / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-  blended = (1 - smooth) * freq / factor + smooth * freq
-  out = np.where(wavelength > original_length / low_freq_factor, freq / factor, freq)
+  wavelength = np.float32(2 * math.pi) / freq
+  stretched = np.where(wavelength > original_length / low_freq_factor, freq / np.float32(factor), freq)
+  smooth = (np.float32(original_length) / wavelength - np.float32(low_freq_factor)) / np.float32(
+    high_freq_factor - low_freq_factor
+  )
+  blended = (1 - smooth) * stretched / np.float32(factor) + smooth * stretched
   middle = (wavelength >= original_length / high_freq_factor) & (wavelength <= original_length / low_freq_factor)
-  return np.where(middle, blended, out)
+  return np.where(middle, blended, stretched)
 
 
 def yarn_frequencies(
@@ -40,7 +47,7 @@ def yarn_frequencies(
   """YaRN (Peng et al. 2023): pairs that turn more than beta_fast times over the original context keep their
   frequency, fewer than beta_slow times are interpolated by `factor`, linear in between. Returns (frequencies,
   the factor cos and sin are multiplied by: 0.1 ln(factor) + 1)."""
-  freq = default_frequencies(head_dim, theta)
+  wavelength_scale = np.float32(theta) ** _exponents(head_dim)  # 1 / frequency
 
   def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
     return head_dim * math.log(original_length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -51,10 +58,12 @@ def yarn_frequencies(
   low, high = max(low, 0), min(high, head_dim - 1)
   if low == high:
     high += 0.001  # a single-pair ramp would divide by zero
-  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
   keep = 1 - ramp
+  interpolated = np.float32(1.0) / (np.float32(factor) * wavelength_scale)
+  original = np.float32(1.0) / wavelength_scale
   scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-  return freq / factor * (1 - keep) + freq * keep, scale
+  return interpolated * (1 - keep) + original * keep, scale
 
 
 def rope_frequencies(c: Any) -> tuple[np.ndarray, float]:

@@ -20,9 +20,10 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
 
 
 def _decay_mask(params):
-  # Norm scales are gains, not weights: decaying them towards zero would fight the normalisation.
+  # Norm scales are gains, not weights: decaying them towards zero would fight the normalisation. Biases (Qwen's
+  # q/k/v) are offsets, left undecayed as in the recipes that trained them.
   return jax.tree_util.tree_map_with_path(
-    lambda path, _: not any(getattr(k, "key", None) == "scale" for k in path), params
+    lambda path, _: not any(getattr(k, "key", None) in ("scale", "bias") for k in path), params
   )
 
 
