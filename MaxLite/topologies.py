@@ -24,13 +24,18 @@ class Chip:
   hbm_bytes: int
   peak_bf16_tflops: float
   chip_config_name: str | None  # libtpu's name for the per-device layout
+  hbm_gbytes_per_s: float  # HBM bandwidth
+  ici_gbits_per_s: float  # inter-chip interconnect, all links of one chip, both directions
+  dcn_gbits_per_s: float  # data-center network share of one chip (between slices)
 
 
+# Cloud TPU's published per-chip figures (cloud.google.com/tpu/docs: v4, v5e, v5p, v6e system architecture pages).
+# DCN is not published per chip: 50 Gbit/s is an estimate (hosts have 100-400 Gbit/s NICs shared by 4-8 chips).
 CHIPS = {
-  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore"),
-  "v5p": Chip("v5p", 2, 3, 95 * GiB, 459.0, "megacore"),
-  "v5e": Chip("v5e", 1, 2, 16 * GiB, 197.0, None),
-  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None),
+  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 2400.0, 50.0),
+  "v5p": Chip("v5p", 2, 3, 95 * GiB, 459.0, "megacore", 2765.0, 4800.0, 50.0),
+  "v5e": Chip("v5e", 1, 2, 16 * GiB, 197.0, None, 819.0, 1600.0, 50.0),
+  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 3584.0, 50.0),
 }
 
 

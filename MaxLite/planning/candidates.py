@@ -1,0 +1,223 @@
+"""The plans worth compiling: every layout, remat policy, attention kernel and batch split MaxLite offers on a
+target, minus those the config validator or a memory lower bound rules out, ordered by an optimistic step time.
+
+Both analytic numbers are bounds, not estimates: the memory bound counts only the train state and the activations
+a remat policy must keep, and the optimistic time only the matmul FLOPs (with the policy's recomputation) and the
+FSDP / tensor traffic no schedule can avoid. A plan that fails the memory bound cannot fit; a plan whose optimistic
+time is slower than a compiled plan's predicted time cannot win (search.py stops there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+from MaxLite import derived
+from MaxLite.errors import ConfigError
+from MaxLite.topologies import Target
+
+GiB = 2**30
+# Recomputation each remat policy adds to the model FLOPs (forward = 1/3 of a training step; "full" recomputes it
+# all, the others only what they do not save). Offloaded variants recompute what their namesakes do.
+RECOMPUTE = {
+  "none": 1.0,
+  "minimal": 1.03,
+  "minimal_offloaded": 1.03,
+  "save_dot_except_mlp": 1.2,
+  "save_dot_except_mlp_offloaded": 1.2,
+  "save_qkv_proj": 1.25,
+  "qkv_proj_offloaded": 1.25,
+  "save_out_proj": 1.28,
+  "full": 4 / 3,
+}
+REMAT_SEARCHED = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "qkv_proj_offloaded", "minimal_offloaded")
+BATCHES = (0.5, 1, 2, 4, 8, 16, 32)
+MESH_KEYS = {axis: f"ici_{derived.AXIS_KEY[axis]}_parallelism" for axis in derived.MESH_AXES}
+
+
+@dataclasses.dataclass
+class Candidate:
+  overrides: dict[str, Any]  # the keys this plan sets (on top of the user's config)
+  config: dict[str, Any] | None = None  # validated and derived
+  memory_bound: float = 0.0  # bytes per device, a lower bound
+  optimistic_s: float = 0.0  # step time, a lower bound
+
+  @property
+  def label(self) -> str:
+    return " ".join(f"{k}={v}" for k, v in self.overrides.items())
+
+
+def _powers_of_two(n: int) -> list[int]:
+  return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0]
+
+
+def layouts(raw: dict[str, Any], devices: int, pinned: set[str]) -> list[dict[str, int]]:
+  """ICI splits of `devices` over the mesh axes: powers of two, fsdp takes the rest; pinned axes stay as given."""
+  experts = raw["num_experts"]
+  options = {
+    "tensor": _powers_of_two(min(devices, 16)),
+    "sequence": [1, 2, 4],
+    "stage": [1, 2, 4],
+    "expert": _powers_of_two(min(devices, experts)) if experts > 1 else [1],
+    "data": [1, 2, 4, 8],
+  }
+  for axis, key in MESH_KEYS.items():
+    if key in pinned and raw[key] != -1:
+      options[axis] = [raw[key]]
+  out = []
+  for tensor, sequence, stage, expert, data in itertools.product(*options.values()):
+    rest, remainder = divmod(devices, tensor * sequence * stage * expert * data)
+    if remainder or rest < 1:
+      continue
+    if MESH_KEYS["fsdp"] in pinned and raw[MESH_KEYS["fsdp"]] not in (-1, rest):
+      continue
+    out.append({"tensor": tensor, "sequence": sequence, "stage": stage, "expert": expert, "data": data, "fsdp": rest})
+  return out
+
+
+def enumerate_plans(raw: dict[str, Any], target: Target, num_slices: int, pinned: set[str]) -> list[Candidate]:
+  devices = target.num_devices
+  remats = [raw["remat_policy"]] if "remat_policy" in pinned else list(REMAT_SEARCHED)
+  if target.platform != "tpu":
+    remats = [r for r in remats if "offloaded" not in r or "remat_policy" in pinned]
+  attentions = [raw["attention"]] if "attention" in pinned or target.platform != "tpu" else ["splash", "dot_product"]
+  global_batch = raw["plan_global_batch_size"]
+  if "per_device_batch_size" in pinned:
+    batches = [(raw["per_device_batch_size"], raw["gradient_accumulation_steps"])]
+  elif global_batch > 0:  # a fixed number of sequences per optimizer step, split into accumulation steps
+    total = devices * num_slices
+    batches = [(global_batch / total / ga, ga) for ga in (1, 2, 4, 8, 16) if (global_batch / total / ga) * total >= 1]
+  else:
+    batches = [(b, 1) for b in BATCHES]
+  plans = []
+  for mesh, remat, attention, (batch, accumulation) in itertools.product(
+    layouts(raw, devices, pinned), remats, attentions, batches
+  ):
+    overrides = {MESH_KEYS[a]: n for a, n in mesh.items()}
+    overrides.update(remat_policy=remat, attention=attention, per_device_batch_size=batch)
+    overrides["gradient_accumulation_steps"] = accumulation
+    if mesh["stage"] > 1:
+      for microbatches in (mesh["stage"], 2 * mesh["stage"]):
+        plans.append(Candidate({**overrides, "num_pipeline_microbatches": microbatches}))
+    else:
+      plans.append(Candidate(overrides))
+  return plans
+
+
+def validate(plan: Candidate, raw: dict[str, Any], target: Target, num_slices: int) -> str | None:
+  """None if the config validator accepts the plan (plan.config is then set), else its one-line reason."""
+  try:
+    plan.config = derived.validate_and_derive(
+      {**raw, **plan.overrides, "run_name": "plan"},
+      num_devices=target.num_devices * num_slices,
+      num_slices=num_slices,
+      process_count=1,
+      platform=target.platform,
+    )
+  except ConfigError as e:
+    return str(e)
+  return None
+
+
+def memory_lower_bound(c: dict[str, Any]) -> float:
+  """Bytes per device the plan needs at least: the train state (params + AdamW moments + gradients) over the axes
+  that shard it, and the activations its remat policy keeps on the device."""
+  weight = 2 if c["weight_dtype"] == "bfloat16" else 4
+  act = 2 if c["dtype"] == "bfloat16" else 4
+  mesh = dict(zip(derived.MESH_AXES, c["mesh_shape"]))
+  state = c["num_params"] * weight * 4 / (c["num_devices"] / mesh["data"])
+  # tokens on one device: the batch splits over data x fsdp x expert, the sequence over sequence
+  tokens = c["micro_batch_size"] * c["max_target_length"] / math.prod(mesh[a] for a in ("data", "fsdp", "expert"))
+  emb, q, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
+  per_token = {  # values a layer keeps per token under each policy (the layer input always)
+    "full": emb,
+    "save_qkv_proj": emb + (q + 2 * kv) * hd / mesh["tensor"],
+    "save_dot_except_mlp": emb + (2 * q + 2 * kv) * hd / mesh["tensor"],
+    "minimal": emb + ((2 * q + 2 * kv) * hd + 2 * c["base_mlp_dim"]) / mesh["tensor"] + emb,
+  }.get(c["remat_policy"], emb)
+  layers = c["base_num_decoder_layers"] / mesh["stage"]
+  return state + layers * tokens / mesh["sequence"] * per_token * act
+
+
+def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
+  """A lower bound on the step time: matmul FLOPs (with recomputation) at peak, or the FSDP weight gathers and
+  gradient reductions and the data-parallel gradient all-reduce (hidden under compute at best), plus the
+  tensor-parallel activation reductions (each waits for its layer), at the chip's full ICI send bandwidth."""
+  from MaxLite.training import flops
+
+  chip = target.chip
+  mesh = dict(zip(derived.MESH_AXES, c["mesh_shape"]))
+  per_device = flops.training_flops_per_step(_AttrDict(c))["total"] / c["num_devices"]
+  compute = per_device * RECOMPUTE.get(c["remat_policy"], 1.0) / (chip.peak_bf16_tflops * 1e12)
+  send = chip.ici_gbits_per_s / 8 * 1e9 / 2
+  weight = 2 if c["weight_dtype"] == "bfloat16" else 4
+  shard = c["num_params"] / (c["num_devices"] / mesh["data"])
+  fsdp = mesh["fsdp"] * mesh["sequence"]
+  gathers = 3 * shard * 2 * (fsdp - 1) * c["gradient_accumulation_steps"] + shard * weight * (fsdp - 1)
+  tokens = c["micro_batch_size"] * c["max_target_length"] / c["num_devices"] * mesh["tensor"]
+  tensor = 4 * 2 * c["base_num_decoder_layers"] * tokens * c["base_emb_dim"] * 2 * (mesh["tensor"] - 1) / mesh["tensor"]
+  tensor *= c["gradient_accumulation_steps"]
+  data = 2 * shard * 4 * (mesh["data"] - 1) / mesh["data"]  # the float32 gradient all-reduce over data
+  return max(compute, (gathers + data) / send) + tensor / send
+
+
+class _AttrDict(dict):
+  __getattr__ = dict.__getitem__
+
+
+def prune(
+  plans: list[Candidate], raw: dict[str, Any], target: Target, num_slices: int
+) -> tuple[list[Candidate], dict[str, list[str]]]:
+  """(plans that may fit, fastest optimistic first; reasons the others were dropped, grouped by kind)."""
+  rejected: dict[str, list[str]] = {"invalid": [], "does not fit": []}
+  kept = []
+  hbm = target.chip.hbm_bytes if target.chip else float("inf")
+  for plan in plans:
+    reason = validate(plan, raw, target, num_slices)
+    if reason:
+      rejected["invalid"].append(f"{plan.label}: {reason}")
+      continue
+    plan.memory_bound = memory_lower_bound(plan.config)
+    if plan.memory_bound > hbm:
+      rejected["does not fit"].append(
+        f"{plan.label}: needs at least {plan.memory_bound / GiB:.1f} GiB per device, "
+        f"has {hbm / GiB:.1f} GiB ({(plan.memory_bound - hbm) / GiB:.1f} GiB short)"
+      )
+      continue
+    plan.optimistic_s = optimistic_seconds(plan.config, target) if target.chip else 0.0
+    kept.append(plan)
+  kept = _largest_batches(kept)
+  kept.sort(key=_order)
+  return kept, rejected
+
+
+def _largest_batches(plans: list[Candidate], keep: int = 2) -> list[Candidate]:
+  """Per layout / remat / attention / accumulation, only the `keep` largest batches that pass the memory bound:
+  a smaller batch of the same family moves the same weights for fewer tokens, so it is never faster per token."""
+  families: dict[str, list[Candidate]] = {}
+  for plan in plans:
+    family = {k: v for k, v in plan.overrides.items() if k != "per_device_batch_size"}
+    families.setdefault(repr(sorted(family.items())), []).append(plan)
+  out = []
+  for members in families.values():
+    out += sorted(members, key=lambda p: -p.overrides["per_device_batch_size"])[:keep]
+  return out
+
+
+def _order(plan: Candidate) -> tuple:
+  """Fastest optimistic time per token first; among equals the plans with fewer moving parts (no host offload, no
+  pipeline, the flash kernel), then the larger batch."""
+  c = plan.config
+  return (
+    round(plan.optimistic_s / _tokens(c), 12),
+    "offloaded" in c["remat_policy"],
+    c["num_pipeline_stages"] > 1,
+    c["attention_kernel"] != "splash",
+    -c["per_device_batch_size"],
+  )
+
+
+def _tokens(c: dict[str, Any]) -> float:
+  return c["global_batch_size_to_train_on"] * c["max_target_length"]

@@ -1,0 +1,341 @@
+"""What one compiled train step does, read from XLA's compiled (scheduled, SPMD-partitioned) HLO text.
+
+Per device-level instruction, in schedule order: matmul FLOPs (dots and convolutions, also inside fusions;
+Pallas kernels by the cost estimate they carry), HBM bytes (operands + result of each top-level fusion or op),
+and for collectives the bytes each device moves and the mesh axes the group spans. Every count is multiplied by
+how often its computation runs: while loops (the scanned layers, gradient accumulation) by their known trip
+count, so a 32-layer scan counts 32 layers, not one as XLA's cost_analysis() does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16})
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\((.*)\)\s+->\s+.*\{\s*$")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# Instructions that move no data of their own (aliases, control flow whose bodies are counted separately).
+_FREE = {
+  "parameter",
+  "get-tuple-element",
+  "tuple",
+  "constant",
+  "bitcast",
+  "while",
+  "call",
+  "conditional",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+  "iota",
+}
+
+
+@dataclasses.dataclass
+class Op:
+  name: str
+  opcode: str
+  computation: str
+  runs: float  # how many times per step (loop trip counts multiplied)
+  flops: float = 0.0  # per run
+  hbm_bytes: float = 0.0  # per run
+  collective: str = ""  # all-gather, all-reduce, ... ("" = none)
+  moved_bytes: float = 0.0  # per device per run, for collectives
+  group_size: int = 1
+  axes: tuple[str, ...] = ()
+  done: str = ""  # for an async start: the name of its done instruction
+
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]
+  attrs: str
+
+
+def array_bytes(shape: str) -> int:
+  return sum(BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
+
+
+def _largest_array_bytes(shape: str) -> int:
+  sizes = [BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape)]
+  return max(sizes, default=0)
+
+
+def _dims(shape: str) -> list[int]:
+  found = _ARRAY.search(shape)
+  return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def _matching(text: str, start: int) -> int:
+  """Index just past the bracket that closes the one at `start`."""
+  depth = 0
+  pairs = {"(": ")", "{": "}", "[": "]"}
+  opening = text[start]
+  for i in range(start, len(text)):
+    if text[i] == opening:
+      depth += 1
+    elif text[i] == pairs[opening]:
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  return len(text)
+
+
+def _parse_instruction(line: str) -> _Instr | None:
+  match = re.match(r"\s*(?:ROOT\s+)?%(\S+)\s+=\s+", line)
+  if not match:
+    return None
+  rest = line[match.end() :]
+  if rest.startswith("("):
+    end = _matching(rest, 0)
+    shape, rest = rest[:end], rest[end:].lstrip()
+  else:
+    shape, _, rest = rest.partition(" ")
+  opcode_match = re.match(r"([\w-]+)\(", rest)
+  if not opcode_match:
+    return None
+  close = _matching(rest, opcode_match.end() - 1)
+  operands = re.findall(r"%([\w.-]+)", rest[opcode_match.end() : close - 1])
+  return _Instr(match.group(1), shape, opcode_match.group(1), operands, rest[close:])
+
+
+def parse_computations(text: str) -> tuple[dict[str, list[_Instr]], dict[str, str], str]:
+  """(computation -> instructions in order, value name -> shape, entry computation name)."""
+  computations: dict[str, list[_Instr]] = {}
+  shapes: dict[str, str] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(1)
+      computations[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+      for param in re.finditer(r"([\w.-]+):\s+(\([^)]*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)", header.group(2)):
+        shapes[param.group(1)] = param.group(2)
+      continue
+    if current is None:
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    instr = _parse_instruction(line)
+    if instr:
+      computations[current].append(instr)
+      shapes[instr.name] = instr.shape
+  return computations, shapes, entry
+
+
+def _trip_count(attrs: str) -> int:
+  found = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+  return int(found.group(1)) if found else 1
+
+
+def _called(attrs: str) -> list[tuple[str, str]]:
+  """(role, computation) pairs an instruction calls."""
+  out = [(role, name) for role, name in re.findall(r"\b(calls|body|condition|to_apply)=%([\w.-]+)", attrs)]
+  branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+  if branches:
+    out += [("branch", n) for n in re.findall(r"%([\w.-]+)", branches.group(1))]
+  return out
+
+
+def run_counts(computations: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, float], set[str]]:
+  """(times each computation runs per step, the computations whose instructions are device-level ops:
+  entry, loop bodies and conditions, called and branch computations; not fusions or reducers)."""
+  edges: dict[str, list[tuple[str, float]]] = defaultdict(list)
+  indegree: dict[str, int] = defaultdict(int)
+  scheduled = {entry}
+  for name, instrs in computations.items():
+    for instr in instrs:
+      trips = _trip_count(instr.attrs) if instr.opcode == "while" else 1
+      for role, child in _called(instr.attrs):
+        if child not in computations:
+          continue
+        edges[name].append((child, trips if role in ("body", "condition") else 1))
+        indegree[child] += 1
+        if role in ("body", "condition", "branch") or (role == "calls" and instr.opcode in ("call", "async-start")):
+          scheduled.add(child)
+  runs: dict[str, float] = defaultdict(float)
+  runs[entry] = 1.0
+  ready = [n for n in computations if indegree[n] == 0]
+  while ready:  # topological order over the call graph (a DAG)
+    name = ready.pop()
+    for child, factor in edges[name]:
+      runs[child] += runs[name] * factor
+      indegree[child] -= 1
+      if indegree[child] == 0:
+        ready.append(child)
+  return dict(runs), scheduled
+
+
+def _matmul_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+  out = math.prod(_dims(instr.shape))
+  if instr.opcode == "dot":
+    lhs = _dims(shapes.get(instr.operands[0], "")) if instr.operands else []
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+    k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting and lhs else 1
+    return 2.0 * out * k
+  if instr.opcode == "convolution" and len(instr.operands) > 1:
+    kernel = _dims(shapes.get(instr.operands[1], ""))
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
+    if kernel and labels:  # kernel dims other than the output feature dim are contracted per output element
+      out_feature = labels.group(1).index("o")
+      return 2.0 * out * math.prod(d for i, d in enumerate(kernel) if i != out_feature)
+  return 0.0
+
+
+def _custom_call_flops(instr: _Instr) -> float:
+  """Pallas kernels (splash attention) carry their own cost estimate in the backend config."""
+  found = re.search(r'"flops"\s*:\s*"?(\d+)', instr.attrs) or re.search(r"flops[\"']?\s*[:=]\s*(\d+)", instr.attrs)
+  return float(found.group(1)) if found else 0.0
+
+
+def _group_axes(attrs: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -> tuple[tuple[str, ...], int]:
+  """(mesh axes a collective's groups span, group size) from its replica_groups, in any of XLA's three spellings."""
+  named = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attrs
+  )
+  if named:  # mesh['axis_0'=4,'axis_1'=2][, device_ids=([2,4]T(1,0))] {'axis_0'}: XLA's device mesh, the axes used
+    sizes = dict((n, int(s)) for n, s in re.findall(r"'([\w]+)'=(\d+)", named.group(1)))
+    chosen = [list(sizes).index(a) for a in re.findall(r"'([\w]+)'", named.group(4))]
+    ids = np.arange(math.prod(sizes.values()))
+    if named.group(2):  # the mesh's devices in order: an iota reshaped and transposed
+      ids = ids.reshape([int(d) for d in named.group(2).split(",")])
+      ids = ids.transpose([int(p) for p in named.group(3).split(",")]) if named.group(3) else ids
+    ids = ids.reshape(list(sizes.values()))
+    rest = [i for i in range(ids.ndim) if i not in chosen]
+    groups = ids.transpose(rest + chosen).reshape(-1, math.prod(ids.shape[i] for i in chosen))
+  else:
+    groups = _replica_groups(attrs)
+  if groups is None or groups.size == 0:
+    return (), 1
+  coords = np.stack(np.unravel_index(groups[0] % math.prod(mesh_shape), tuple(mesh_shape)), axis=-1)
+  varying = tuple(a for i, a in enumerate(mesh_axes) if len(set(coords[:, i])) > 1)
+  return varying, int(groups.shape[1])
+
+
+def _replica_groups(attrs: str) -> np.ndarray | None:
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if iota:
+    dims = [int(d) for d in iota.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(4):
+      ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+    return ids.reshape(int(iota.group(1)), int(iota.group(2)))
+  explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+  if explicit:
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+    if groups and all(len(g) == len(groups[0]) for g in groups):
+      return np.asarray(groups)
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+  if pairs:  # collective-permute: each pair is a group of two
+    return np.asarray([[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0))])
+  return None
+
+
+def _collective_kind(opcode: str) -> str:
+  base = opcode.removesuffix("-start")
+  return base if base in _COLLECTIVES else ""
+
+
+def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -> list[Op]:
+  """The device-level instructions of the compiled step, in schedule order, with their costs."""
+  computations, shapes, entry = parse_computations(text)
+  runs, scheduled = run_counts(computations, entry)
+  flops_in: dict[str, float] = {}
+
+  def computation_flops(name: str) -> float:  # matmul FLOPs of a fusion body, nested fusions included
+    if name not in flops_in:
+      flops_in[name] = 0.0  # guards against recursion
+      total = 0.0
+      for instr in computations.get(name, []):
+        total += _matmul_flops(instr, shapes)
+        if instr.opcode == "fusion":
+          total += sum(computation_flops(c) for _, c in _called(instr.attrs))
+      flops_in[name] = total
+    return flops_in[name]
+
+  ops: list[Op] = []
+  for name in computations:
+    if name not in scheduled or runs.get(name, 0) == 0:
+      continue
+    pending: dict[str, Op] = {}
+    for instr in computations[name]:
+      if instr.opcode.endswith("-done"):  # kept (at no cost) so the model sees where the wait ends
+        if instr.operands and instr.operands[0] in pending:
+          pending.pop(instr.operands[0]).done = instr.name
+        ops.append(Op(instr.name, instr.opcode, name, runs[name]))
+        continue
+      if instr.opcode in _FREE:
+        continue
+      op = Op(instr.name, instr.opcode, name, runs[name])
+      operand_bytes = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
+      op.hbm_bytes = operand_bytes + array_bytes(instr.shape)
+      op.flops = _matmul_flops(instr, shapes)
+      if instr.opcode == "fusion":
+        op.flops += sum(computation_flops(c) for _, c in _called(instr.attrs))
+      elif instr.opcode == "custom-call":
+        op.flops += _custom_call_flops(instr)
+      kind = _collective_kind(instr.opcode)
+      if instr.opcode == "async-start":
+        inner = [i for _, c in _called(instr.attrs) for i in computations.get(c, [])]
+        kind = next((_collective_kind(i.opcode) for i in inner if _collective_kind(i.opcode)), "")
+        attrs = next((i.attrs for i in inner if _collective_kind(i.opcode)), instr.attrs)
+      else:
+        attrs = instr.attrs
+      if kind:
+        op.collective = kind
+        op.axes, op.group_size = _group_axes(attrs, mesh_axes, mesh_shape)
+        op.moved_bytes = _moved_bytes(kind, instr, shapes, op.group_size)
+        op.hbm_bytes = 0.0  # a collective's time is its link time (below); its HBM traffic overlaps it
+        if instr.opcode.endswith("-start"):
+          pending[instr.name] = op
+      ops.append(op)
+  return ops
+
+
+def _moved_bytes(kind: str, instr: _Instr, shapes: dict[str, str], n: int) -> float:
+  """Bytes one device sends in a ring (bandwidth-optimal) implementation of the collective."""
+  operand = sum(_largest_array_bytes(shapes.get(o, "")) for o in instr.operands)
+  if n <= 1:
+    return 0.0
+  share = (n - 1) / n
+  if kind == "all-gather":
+    return _largest_array_bytes(instr.shape) * share
+  if kind == "all-reduce":
+    return 2.0 * operand * share
+  if kind in ("reduce-scatter", "all-to-all"):
+    return operand * share
+  return float(operand)  # collective-permute: each device sends its buffer once
+
+
+def summary(ops: Sequence[Op]) -> dict[str, float]:
+  """Totals per step (for reports and tests)."""
+  out = {"flops": 0.0, "hbm_bytes": 0.0, "collective_bytes": 0.0}
+  for op in ops:
+    out["flops"] += op.flops * op.runs
+    out["hbm_bytes"] += op.hbm_bytes * op.runs
+    out["collective_bytes"] += op.moved_bytes * op.runs
+  return out
+
+
+def to_json(ops: Sequence[Op]) -> str:
+  return json.dumps([dataclasses.asdict(o) for o in ops])
+
+
+def from_json(text: str) -> list[Op]:
+  return [Op(**{**d, "axes": tuple(d["axes"])}) for d in json.loads(text)]

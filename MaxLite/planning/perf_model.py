@@ -1,0 +1,138 @@
+"""Predicted step time of a compiled train step on a TPU slice, from its device-level ops (hlo_costs.py).
+
+Each op costs the larger of its matmul FLOPs at the chip's bf16 peak and its HBM bytes at the chip's HBM
+bandwidth (a per-op roofline). A collective costs its latency plus the bytes one device sends over the links its
+group can use: a group inside a slice that spans k of the torus' dimensions runs a bidirectional ring in each,
+i.e. k / dims of the chip's send bandwidth (half its published all-links, both-directions ICI figure); a group
+that crosses slices runs at the chip's DCN share. XLA schedules collectives asynchronously (start ... done): the
+ops it placed between the two hide the collective, and only the rest of its time is added to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from MaxLite import topologies
+from MaxLite.planning.hlo_costs import Op
+from MaxLite.topologies import Chip, Target
+
+COLLECTIVE_LATENCY_S = 5e-6  # per collective: launch and synchronisation, whatever its size
+# cpu-N (simulated devices sharing this machine's cores): nominal per-device numbers, so plans for the CPU mesh can
+# be ranked and their predicted order checked against measured steps. Not a claim about any CPU's speed.
+CPU_CHIP = Chip("cpu", 1, 1, 2 * 2**30, 0.05, None, 10.0, 80.0, 8.0)
+
+
+def planning_target(name: str, hbm_gib: float = -1) -> Target:
+  """The compile target with a chip model for every platform (cpu-N gets CPU_CHIP) and, if hbm_gib > 0, that much
+  device memory per chip instead of the chip's own (to plan with headroom)."""
+  target = topologies.parse(name)
+  chip = target.chip or CPU_CHIP
+  if hbm_gib > 0:
+    chip = dataclasses.replace(chip, hbm_bytes=int(hbm_gib * 2**30))
+  return dataclasses.replace(target, chip=chip)
+
+
+def torus(target: Target) -> tuple[int, ...]:
+  """Chips per torus dimension of one slice (a cpu-N mesh is one ring of N)."""
+  if not target.topology_name:
+    return (target.num_devices,)
+  return tuple(int(d) for d in target.topology_name.split(":")[1].split("x"))
+
+
+@dataclasses.dataclass
+class Prediction:
+  step_s: float
+  compute_s: float  # ops whose FLOPs bound them
+  memory_s: float  # ops whose HBM traffic bounds them
+  ici_s: float  # all collective time inside a slice (hidden or not)
+  dcn_s: float  # all collective time across slices
+  exposed_ici_s: float  # the part of ici_s the step waits for
+  exposed_dcn_s: float
+  mfu: float  # model FLOPs per device / (step_s x peak)
+  tokens_per_s_per_chip: float
+
+  @property
+  def bottleneck(self) -> str:
+    parts = {"compute": self.compute_s, "memory": self.memory_s, "ICI": self.exposed_ici_s, "DCN": self.exposed_dcn_s}
+    return max(parts, key=parts.get)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+  chip: Chip
+  torus: tuple[int, ...]  # chips per torus dimension in one slice
+  ici_sizes: dict[str, int]  # mesh axis -> size inside a slice
+  dcn_sizes: dict[str, int]  # mesh axis -> number of slices it spans
+
+  def seconds(self, op: Op) -> float:
+    if op.moved_bytes <= 0:
+      return COLLECTIVE_LATENCY_S if op.collective else 0.0
+    across_slices = math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
+    if across_slices:
+      return COLLECTIVE_LATENCY_S + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
+    within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) or op.group_size
+    return COLLECTIVE_LATENCY_S + op.moved_bytes / self.send_bandwidth(within)
+
+  def send_bandwidth(self, group: int) -> float:
+    """Bytes/s one chip sends in a collective over `group` chips of its slice."""
+    dims, covered = 0, 1
+    for size in sorted(self.torus, reverse=True):  # the group's chips fill the largest torus dimensions first
+      if covered >= group:
+        break
+      covered *= size
+      dims += 1
+    total_send = self.chip.ici_gbits_per_s / 8 * 1e9 / 2
+    return total_send * max(dims, 1) / self.chip.dims
+
+  def crosses_slices(self, op: Op) -> bool:
+    return math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
+
+
+def predict(
+  ops: Sequence[Op], net: Interconnect, model_flops_per_device: float, tokens_per_device: float
+) -> Prediction:
+  peak = net.chip.peak_bf16_tflops * 1e12
+  hbm = net.chip.hbm_gbytes_per_s * 1e9
+  totals: dict[str, float] = defaultdict(float)
+  by_computation: dict[str, list[Op]] = defaultdict(list)
+  for op in ops:
+    by_computation[op.computation].append(op)
+  for computation_ops in by_computation.values():
+    runs = computation_ops[0].runs
+    hidden_until: list[tuple[str, float, str]] = []  # open async collectives: (done name, seconds left, ici|dcn)
+    for op in computation_ops:
+      if op.collective:
+        seconds = net.seconds(op)
+        kind = "dcn" if net.crosses_slices(op) else "ici"
+        totals[f"{kind}_s"] += seconds * runs
+        if op.done:
+          hidden_until.append((op.done, seconds, kind))
+        else:
+          totals[f"exposed_{kind}_s"] += seconds * runs
+        continue
+      flops_s, bytes_s = op.flops / peak, op.hbm_bytes / hbm
+      seconds = max(flops_s, bytes_s)
+      totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
+      hidden_until = [(done, left - seconds, kind) for done, left, kind in hidden_until]
+      finished = [h for h in hidden_until if h[0] == op.name]
+      for _, left, kind in finished:
+        totals[f"exposed_{kind}_s"] += max(left, 0.0) * runs
+      hidden_until = [h for h in hidden_until if h[0] != op.name]
+    for _, left, kind in hidden_until:  # a done we did not see (its op is free, e.g. a *-done): wait for the rest
+      totals[f"exposed_{kind}_s"] += max(left, 0.0) * runs
+  step = totals["compute_s"] + totals["memory_s"] + totals["exposed_ici_s"] + totals["exposed_dcn_s"]
+  step = max(step, 1e-12)
+  return Prediction(
+    step_s=step,
+    compute_s=totals["compute_s"],
+    memory_s=totals["memory_s"],
+    ici_s=totals["ici_s"],
+    dcn_s=totals["dcn_s"],
+    exposed_ici_s=totals["exposed_ici_s"],
+    exposed_dcn_s=totals["exposed_dcn_s"],
+    mfu=model_flops_per_device / (step * peak),
+    tokens_per_s_per_chip=tokens_per_device / step,
+  )

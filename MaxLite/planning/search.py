@@ -1,0 +1,221 @@
+"""Compile the surviving plans for the real target in worker processes, predict each one, remember the results.
+
+A result is cached on disk under a key made of everything that decides the compiled program: the plan's full
+validated config, the jax and libtpu versions and MaxLite's own source; a second run of the same search compiles
+nothing. Plans are compiled fastest-optimistic first; the search stops when the time budget is spent or when no
+plan left could beat the best compiled one even at its optimistic time (the frontier is clear).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from MaxLite import paths, topologies
+from MaxLite.errors import first_line
+from MaxLite.planning.candidates import Candidate
+
+_IGNORED = {"run_name", "run_dir", "tensorboard_dir", "checkpoint_dir", "metrics_file", "base_output_directory"}
+_IGNORED |= {"plan_time_budget_s", "plan_top_n", "plan_workers", "plan_cache_dir"}
+
+
+@dataclasses.dataclass
+class Result:
+  plan: Candidate
+  fits: bool
+  device_bytes: float = 0.0
+  host_bytes: float = 0.0
+  prediction: dict[str, float] = dataclasses.field(default_factory=dict)
+  bottleneck: str = ""
+  collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the largest, for --explain
+  error: str = ""
+  compile_s: float = 0.0
+  cached: bool = False
+
+
+def _source_digest() -> str:
+  digest = hashlib.sha256()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for folder, _, files in sorted(os.walk(root)):
+    for name in sorted(f for f in files if f.endswith(".py")):
+      with open(os.path.join(folder, name), "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()
+
+
+def _toolchain(target: topologies.Target) -> str:
+  import importlib.metadata
+
+  parts = [importlib.metadata.version("jax"), importlib.metadata.version("jaxlib")]
+  libtpu = topologies.find_libtpu(paths.bundled_root()) if target.platform == "tpu" else None
+  if libtpu:
+    stat = os.stat(libtpu)
+    parts.append(f"libtpu:{stat.st_size}:{int(stat.st_mtime)}")
+  return "|".join(parts)
+
+
+def cache_key(config: dict[str, Any], target: topologies.Target, num_slices: int, source: str) -> str:
+  relevant = {k: v for k, v in sorted(config.items()) if k not in _IGNORED}
+  machine = [target.name, target.chip.hbm_bytes if target.chip else 0, num_slices, _toolchain(target), source]
+  payload = json.dumps([relevant, *machine], sort_keys=True, default=str)
+  return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def cache_dir(config_value: str) -> str:
+  return config_value or os.path.join(os.path.expanduser("~"), ".cache", "maxlite", "plans")
+
+
+def _init_worker(target_name: str) -> None:
+  from MaxLite.train_compile import prepare_backend
+
+  prepare_backend(topologies.parse(target_name))
+
+
+def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib: float = -1) -> dict[str, Any]:
+  """In a worker: compile the plan's train step for the target; memory, prediction and largest collectives."""
+  import jax  # noqa: F401  (after prepare_backend)
+
+  from MaxLite.config import Config
+  from MaxLite.planning import hlo_costs, perf_model
+  from MaxLite.train_compile import _memory_total, lower_train_step, out_of_memory, target_devices
+  from MaxLite.training import flops
+
+  target = perf_model.planning_target(target_name, hbm_gib)
+  c = Config(config)
+  started = time.perf_counter()
+  try:
+    lowered, _ = lower_train_step(c, target_devices(target, num_slices))
+    compiled = lowered.compile()
+  except Exception as e:  # an out-of-memory compile is an answer, anything else is reported per plan
+    oom = out_of_memory(str(e))
+    return {"fits": False, "error": oom or first_line(e, with_type=True), "compile_s": time.perf_counter() - started}
+  mem = compiled.memory_analysis()
+  device_bytes, host_bytes = _memory_total(mem, ""), _memory_total(mem, "host_")
+  out: dict[str, Any] = {"device_bytes": device_bytes, "host_bytes": host_bytes}
+  out["fits"] = device_bytes <= target.chip.hbm_bytes
+  out["compile_s"] = time.perf_counter() - started
+  from MaxLite import derived
+
+  ops = hlo_costs.device_ops(compiled.as_text(), derived.MESH_AXES, c.mesh_shape)
+  net = perf_model.Interconnect(
+    target.chip,
+    perf_model.torus(target),
+    dict(zip(derived.MESH_AXES, c.ici_mesh_shape)),
+    dict(zip(derived.MESH_AXES, c.dcn_mesh_shape)),
+  )
+  model_flops = flops.training_flops_per_step(c)["total"] / c.num_devices
+  tokens = c.global_batch_size_to_train_on * c.max_target_length / c.num_devices
+  prediction = perf_model.predict(ops, net, model_flops, tokens)
+  out["prediction"] = dataclasses.asdict(prediction)
+  out["bottleneck"] = prediction.bottleneck
+  largest = sorted((o for o in ops if o.collective), key=lambda o: -net.seconds(o) * o.runs)[:8]
+  out["collectives"] = [
+    {"kind": o.collective, "axes": list(o.axes), "bytes": o.moved_bytes, "runs": o.runs, "seconds": net.seconds(o)}
+    for o in largest
+  ]
+  return out
+
+
+def run_search(
+  plans: list[Candidate],
+  target: topologies.Target,
+  num_slices: int,
+  *,
+  budget_s: float,
+  workers: int,
+  cache: str,
+  hbm_gib: float = -1,
+  progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> tuple[list[Result], str]:
+  """(results of the plans compiled or found in the cache, why the search stopped)."""
+  source = _source_digest()
+  os.makedirs(cache, exist_ok=True)
+  results: list[Result] = []
+  todo: list[tuple[Candidate, str]] = []
+  for plan in plans:
+    key = cache_key(plan.config, target, num_slices, source)
+    path = os.path.join(cache, f"{key}.json")
+    if os.path.isfile(path):
+      with open(path) as f:
+        results.append(_result(plan, json.load(f), cached=True))
+    else:
+      todo.append((plan, path))
+  start = time.monotonic()
+  stopped = "every plan was compiled" if todo else "every plan was in the cache"
+  context = multiprocessing.get_context("spawn")
+  pool = concurrent.futures.ProcessPoolExecutor(
+    max_workers=max(1, workers), mp_context=context, initializer=_init_worker, initargs=(target.name,)
+  )
+  running: dict[concurrent.futures.Future, tuple[Candidate, str]] = {}
+  try:
+    while todo or running:
+      best = _best_seconds_per_token(results)
+      while todo and len(running) < max(1, workers):
+        plan, path = todo[0]
+        if best is not None and plan.optimistic_s / _tokens(plan) >= best:
+          stopped = f"the frontier is clear: {len(todo)} plans left cannot beat the best even at their optimistic time"
+          todo.clear()
+          break
+        if time.monotonic() - start > budget_s:
+          stopped = f"the time budget plan_time_budget_s={budget_s:g} ran out with {len(todo)} plans not compiled"
+          todo.clear()
+          break
+        todo.pop(0)
+        running[pool.submit(evaluate, plan.config, target.name, num_slices, hbm_gib)] = (plan, path)
+      if not running:
+        break
+      done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in done:
+        plan, path = running.pop(future)
+        try:
+          payload = future.result()
+        except Exception as e:  # a worker that died (e.g. out of host memory) fails its plan only
+          payload = {"fits": False, "error": first_line(e, with_type=True)}
+        with open(path, "w") as f:
+          json.dump(payload, f)
+        results.append(_result(plan, payload))
+        progress(_progress_line(results, len(todo) + len(running), time.monotonic() - start, budget_s))
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
+  return results, stopped
+
+
+def _result(plan: Candidate, payload: dict[str, Any], cached: bool = False) -> Result:
+  return Result(
+    plan,
+    bool(payload.get("fits")),
+    device_bytes=payload.get("device_bytes") or 0.0,
+    host_bytes=payload.get("host_bytes") or 0.0,
+    prediction=payload.get("prediction") or {},
+    bottleneck=payload.get("bottleneck") or "",
+    collectives=payload.get("collectives") or [],
+    error=payload.get("error") or "",
+    compile_s=payload.get("compile_s") or 0.0,
+    cached=cached,
+  )
+
+
+def _tokens(plan: Candidate) -> float:
+  return plan.config["global_batch_size_to_train_on"] * plan.config["max_target_length"]
+
+
+def _best_seconds_per_token(results: list[Result]) -> float | None:
+  times = [r.prediction["step_s"] / _tokens(r.plan) for r in results if r.fits and r.prediction]
+  return min(times) if times else None
+
+
+def _progress_line(results: list[Result], left: int, elapsed: float, budget: float) -> str:
+  done = len(results)
+  bar = "#" * int(20 * done / max(done + left, 1))
+  fitting = [r for r in results if r.fits and r.prediction]
+  best = max((r.prediction["mfu"] for r in fitting), default=None)
+  best_text = f", best predicted MFU {100 * best:.1f}%" if best is not None else ""
+  return f"plan: [{bar:<20}] {done} compiled, {left} queued, {elapsed:.0f}/{budget:g} s{best_text}"

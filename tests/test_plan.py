@@ -1,0 +1,141 @@
+"""plan.py: the compiled-HLO cost reader, the performance model's order against measured steps, the search
+(pins kept, plans that do not fit never ranked, the cache), and one-line errors for impossible requests."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import REPO, first_devices
+
+from MaxLite.planning import hlo_costs, perf_model
+
+MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
+
+
+def test_loop_trip_counts_multiply_the_matmul_flops_of_their_body():
+  """A scan of 6 matmuls: the reader counts 6, where XLA's own cost analysis counts the loop body once."""
+
+  def f(x, w):
+    return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=6)[0]
+
+  x, w = jnp.ones((32, 64)), jnp.ones((64, 64))
+  text = jax.jit(f).lower(x, w).compile().as_text()
+  ops = hlo_costs.device_ops(text, ("data",), (1,))
+  assert hlo_costs.summary(ops)["flops"] == 6 * 2 * 32 * 64 * 64
+
+
+def test_collectives_name_the_mesh_axes_they_run_over():
+  devices = np.asarray(first_devices(8)).reshape(1, 1, 2, 1, 4, 1)
+  mesh = jax.sharding.Mesh(devices, MESH_AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 6)
+  spec = jax.sharding.PartitionSpec
+
+  def f(x):  # a sum over tensor, then an all-gather over fsdp
+    y = jax.lax.psum(x, "tensor")
+    return jax.lax.all_gather(y, "fsdp", tiled=True)
+
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec("fsdp", "tensor"), out_specs=spec(), check_vma=False))
+  x = jax.device_put(jnp.ones((256, 512), jnp.float32), jax.sharding.NamedSharding(mesh, spec("fsdp", "tensor")))
+  ops = hlo_costs.device_ops(g.lower(x).compile().as_text(), MESH_AXES, (1, 1, 2, 1, 4, 1))
+  found = {(o.collective, o.axes, o.group_size) for o in ops if o.collective}
+  assert ("all-reduce", ("tensor",), 4) in found and ("all-gather", ("fsdp",), 2) in found
+  local = 128 * 128 * 4  # each device's [128, 128] float32 block
+  reduce = next(o for o in ops if o.collective == "all-reduce")
+  gather = next(o for o in ops if o.collective == "all-gather")
+  assert reduce.moved_bytes == 2 * local * 3 / 4 and gather.moved_bytes == 2 * local / 2
+
+
+def test_replica_group_spellings_agree():
+  """XLA writes the same groups as iota lists, explicit lists or named meshes with a device order."""
+  shape = (1, 1, 4, 1, 2, 1)
+  spellings = [
+    "replica_groups=[4,2]<=[8]",
+    "replica_groups={{0,1},{2,3},{4,5},{6,7}}",
+    "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}",
+    "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}",
+  ]
+  for attrs in spellings:
+    assert hlo_costs._group_axes(attrs, MESH_AXES, shape) == (("tensor",), 2), attrs  # pylint: disable=protected-access
+  transposed = "replica_groups=[2,4]<=[4,2]T(1,0)"
+  assert hlo_costs._group_axes(transposed, MESH_AXES, shape) == (("fsdp",), 4)  # pylint: disable=protected-access
+
+
+def test_an_async_collective_is_hidden_by_the_work_scheduled_inside_it():
+  chip = perf_model.CPU_CHIP
+  net = perf_model.Interconnect(chip, (8,), {"fsdp": 8}, {})
+  big = 1e10  # bytes: longer than the matmul below
+  start = hlo_costs.Op("ag", "all-gather-start", "main", 1, collective="all-gather", moved_bytes=big, axes=("fsdp",))
+  start.done = "ag-done"
+  work = hlo_costs.Op("dot", "fusion", "main", 1, flops=chip.peak_bf16_tflops * 1e12 * 0.5)  # 0.5 s of compute
+  done = hlo_costs.Op("ag-done", "all-gather-done", "main", 1)
+  collective_s = net.seconds(start)
+  hidden = perf_model.predict([start, work, done], net, 1.0, 1.0)
+  exposed = perf_model.predict([start, done, work], net, 1.0, 1.0)
+  assert hidden.exposed_ici_s == pytest.approx(collective_s - 0.5)
+  assert exposed.exposed_ici_s == pytest.approx(collective_s)
+  assert hidden.step_s == pytest.approx(collective_s) and exposed.step_s == pytest.approx(collective_s + 0.5)
+
+
+def _plan(*args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  command = [sys.executable, "MaxLite/plan.py", "configs/base.yml", *args]
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _ranked_rows(stdout):
+  return re.findall(r"^\s*\d+\s{2}(.+?)\s+(\d+\.\d)%\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(-?\d+)%", stdout, re.M)
+
+
+def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_path):
+  hbm_gib = 0.02  # small enough that the largest batches do not fit
+  args = ["model_name=tiny", "compile_topology=cpu-8", "max_target_length=64", "ici_tensor_parallelism=2"]
+  args += ["remat_policy=full", f"plan_hbm_gib={hbm_gib}", "plan_time_budget_s=40", "plan_workers=1"]
+  args += [f"plan_cache_dir={tmp_path / 'cache'}", f"--plan_output={tmp_path / 'best.yml'}"]
+  first = _plan(*args)
+  assert first.returncode == 0, first.stderr[-3000:]
+  rows = _ranked_rows(first.stdout)
+  assert rows, first.stdout
+  for plan, *_, memory, free in rows:
+    assert "tensor2" in plan and "| full |" in plan, plan  # the pinned keys
+    assert float(memory) <= hbm_gib * 1.05 and int(free) >= 0
+  assert "compiled but did not fit" in first.stdout, first.stdout  # there were some, and none is in the table
+  compiled = int(re.search(r"search: (\d+) plans evaluated \(0 from the cache\)", first.stdout).group(1))
+
+  again = _plan(*args)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"search: {compiled} plans evaluated ({compiled} from the cache)" in again.stdout
+  assert "compiled," not in again.stderr  # no progress line: nothing was compiled
+  assert _ranked_rows(again.stdout) == rows
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  check = subprocess.run(
+    [sys.executable, "MaxLite/train_compile.py", str(tmp_path / "best.yml")],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert check.returncode == 0 and "mesh fsdp=4 x tensor=2" in check.stdout, check.stdout + check.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (["model_name=tiny", "compile_topology=v9-8"], r"compile_topology='v9-8' is not one of v4-N, v5p-N"),
+    (
+      ["model_name=llama2-70b", "compile_topology=v5e-4"],
+      r"model llama2-70b cannot fit on v5e-4: every plan needs at least [\d.]+ GiB per device .* it needs at least "
+      r"\d+ chips \(v5e-\d+\)",
+    ),
+  ],
+)
+def test_impossible_requests_are_one_line(args, message):
+  done = _plan(*args, timeout=120)
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+  assert done.returncode == 2 and len(errors) == 1 and re.search(message, errors[0]), done.stderr[-2000:]
+  assert "Traceback" not in done.stderr
