@@ -63,6 +63,7 @@ class _Instr:
   opcode: str
   operands: list[str]
   attrs: str
+  args: str = ""  # the text between the parentheses (a constant's value)
 
 
 def array_bytes(shape: str) -> int:
@@ -108,8 +109,9 @@ def _parse_instruction(line: str) -> _Instr | None:
   if not opcode_match:
     return None
   close = _matching(rest, opcode_match.end() - 1)
-  operands = re.findall(r"%([\w.-]+)", rest[opcode_match.end() : close - 1])
-  return _Instr(match.group(1), shape, opcode_match.group(1), operands, rest[close:])
+  args = rest[opcode_match.end() : close - 1]
+  operands = re.findall(r"%([\w.-]+)", args)
+  return _Instr(match.group(1), shape, opcode_match.group(1), operands, rest[close:], args)
 
 
 def parse_computations(text: str) -> tuple[dict[str, list[_Instr]], dict[str, str], str]:
@@ -129,19 +131,61 @@ def parse_computations(text: str) -> tuple[dict[str, list[_Instr]], dict[str, st
       continue
     if current is None:
       continue
-    if line.startswith("}"):
+    if line.rstrip() == "}":
       current = None
       continue
     instr = _parse_instruction(line)
     if instr:
       computations[current].append(instr)
       shapes[instr.name] = instr.shape
+    elif computations[current]:  # a backend config that spans lines (Pallas kernels' metadata)
+      computations[current][-1].attrs += "\n" + line
   return computations, shapes, entry
 
 
-def _trip_count(attrs: str) -> int:
-  found = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-  return int(found.group(1)) if found else 1
+def _trip_count(instr: _Instr, computations: dict[str, list[_Instr]], parent: dict[str, _Instr]) -> int:
+  """XLA's known trip count; else (TPU) from the loop itself: `counter < N` in the condition, the counter's
+  increment in the body (windowed einsums step by 2) and its start in the while's operand tuple (else 0)."""
+  found = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+  if found:
+    return int(found.group(1))
+  names = dict(re.findall(r"\b(condition|body)=%([\w.-]+)", instr.attrs))
+  condition, body = computations.get(names.get("condition"), []), computations.get(names.get("body"), [])
+  bound, index, inclusive = _loop_bound(condition)
+  if bound is None:
+    return 1
+  step, start = 1, 0
+  body_by_name = {i.name: i for i in body}
+  root = next((i for i in reversed(body) if i.opcode == "tuple"), None)
+  if root is not None and index < len(root.operands):
+    update = body_by_name.get(root.operands[index])
+    if update is not None and update.opcode == "add":
+      step = next((_constant(body_by_name.get(o)) for o in update.operands if _constant(body_by_name.get(o))), 1)
+  init = parent.get(instr.operands[0]) if instr.operands else None
+  if init is not None and init.opcode == "tuple" and index < len(init.operands):
+    start = _constant(parent.get(init.operands[index])) or 0
+  return max(1, math.ceil((bound + inclusive - start) / max(step, 1)))
+
+
+def _constant(instr: _Instr | None) -> int | None:
+  if instr is None or instr.opcode != "constant" or not re.fullmatch(r"-?\d+", instr.args):
+    return None
+  return int(instr.args)
+
+
+def _loop_bound(condition: list[_Instr]) -> tuple[int | None, int, int]:
+  """(N, tuple index of the counter, 1 if `<=`) of a condition `counter < N`; (None, 0, 0) if not that shape."""
+  by_name = {i.name: i for i in condition}
+  for i in condition:
+    direction = re.search(r"direction=(LT|LE)", i.attrs)
+    if i.opcode != "compare" or not direction or len(i.operands) != 2:
+      continue
+    counter, limit = (by_name.get(o) for o in i.operands)
+    bound = _constant(limit)
+    index = re.search(r"index=(\d+)", counter.attrs) if counter is not None else None
+    if bound is not None and counter is not None and counter.opcode == "get-tuple-element" and index:
+      return bound, int(index.group(1)), int(direction.group(1) == "LE")
+  return None, 0, 0
 
 
 def _called(attrs: str) -> list[tuple[str, str]]:
@@ -160,8 +204,9 @@ def run_counts(computations: dict[str, list[_Instr]], entry: str) -> tuple[dict[
   indegree: dict[str, int] = defaultdict(int)
   scheduled = {entry}
   for name, instrs in computations.items():
+    by_name = {i.name: i for i in instrs}
     for instr in instrs:
-      trips = _trip_count(instr.attrs) if instr.opcode == "while" else 1
+      trips = _trip_count(instr, computations, by_name) if instr.opcode == "while" else 1
       for role, child in _called(instr.attrs):
         if child not in computations:
           continue
@@ -190,12 +235,36 @@ def _matmul_flops(instr: _Instr, shapes: dict[str, str]) -> float:
     k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting and lhs else 1
     return 2.0 * out * k
   if instr.opcode == "convolution" and len(instr.operands) > 1:
-    kernel = _dims(shapes.get(instr.operands[1], ""))
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-    if kernel and labels:  # kernel dims other than the output feature dim are contracted per output element
-      out_feature = labels.group(1).index("o")
-      return 2.0 * out * math.prod(d for i, d in enumerate(kernel) if i != out_feature)
+    return _convolution_flops(instr, shapes)
   return 0.0
+
+
+def _convolution_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+  """2 x (batch x output features x input features) x, per spatial dim, the (output, tap) pairs that land inside
+  the input. XLA's TPU matmuls are convolutions whose spatial dims often carry a batch dim as a fully padded,
+  reversed window: counting only the taps that touch real input gets those right (one tap per output)."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
+  lhs, rhs = _dims(shapes.get(instr.operands[0], "")), _dims(shapes.get(instr.operands[1], ""))
+  out = _dims(instr.shape)
+  if not labels or not lhs or not rhs or not out:
+    return 0.0
+  lhs_labels, rhs_labels, out_labels = labels.groups()
+  window = re.search(r"window=\{([^}]*)\}", instr.attrs)
+  settings = dict(re.findall(r"(\w+)=([\w_x-]+)", window.group(1))) if window else {}
+  pads = [tuple(int(v) for v in p.split("_")) for p in settings["pad"].split("x")] if "pad" in settings else []
+  strides = [int(v) for v in settings["stride"].split("x")] if "stride" in settings else []
+  pairs = 1
+  for d in sorted(c for c in rhs_labels if c.isdigit()):
+    size, taps, outputs = lhs[lhs_labels.index(d)], rhs[rhs_labels.index(d)], out[out_labels.index(d)]
+    low = pads[int(d)][0] if int(d) < len(pads) else 0
+    stride = strides[int(d)] if int(d) < len(strides) else 1
+    pairs *= sum(
+      min(taps, size + low - o * stride) - max(0, low - o * stride)
+      for o in range(outputs)
+      if min(taps, size + low - o * stride) > max(0, low - o * stride)
+    )
+  batch = lhs[lhs_labels.index("b")]
+  return 2.0 * batch * rhs[rhs_labels.index("o")] * rhs[rhs_labels.index("i")] * pairs
 
 
 def _custom_call_flops(instr: _Instr) -> float:
@@ -283,8 +352,7 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
       if instr.opcode in _FREE:
         continue
       op = Op(instr.name, instr.opcode, name, runs[name])
-      operand_bytes = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
-      op.hbm_bytes = operand_bytes + array_bytes(instr.shape)
+      op.hbm_bytes = _hbm_bytes(instr, computations, shapes)
       op.flops = _matmul_flops(instr, shapes)
       if instr.opcode == "fusion":
         op.flops += sum(computation_flops(c) for _, c in _called(instr.attrs))
@@ -306,6 +374,38 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
           pending[instr.name] = op
       ops.append(op)
   return ops
+
+
+def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dict[str, str]) -> float:
+  """Bytes an op reads and writes in HBM: its operands and result, except that a slice of a big buffer reads only
+  the slice and an in-place update (the scan's per-layer stacking) writes only the update."""
+  inner = computations.get(next((c for r, c in _called(instr.attrs) if r == "calls"), ""), [])
+  if instr.opcode != "fusion" or not inner:
+    if instr.opcode == "dynamic-slice":
+      return 2.0 * array_bytes(instr.shape)
+    if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
+      return 2.0 * array_bytes(shapes.get(instr.operands[1], ""))
+    return sum(array_bytes(shapes.get(o, "")) for o in instr.operands) + array_bytes(instr.shape)
+  params = {int(i.args): i.name for i in inner if i.opcode == "parameter" and i.args.isdigit()}
+  users: dict[str, list[_Instr]] = defaultdict(list)
+  for i in inner:
+    for o in i.operands:
+      users[o].append(i)
+  root = inner[-1] if inner else None
+  in_place = root is not None and root.opcode == "dynamic-update-slice"
+  total = 0.0
+  for index, operand in enumerate(instr.operands):
+    param = params.get(index)
+    uses = users.get(param, []) if param else []
+    if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == param for u in uses):
+      total += sum(array_bytes(u.shape) for u in uses)
+    elif in_place and uses and all(u is root and u.operands[0] == param for u in uses):
+      continue  # the buffer updated in place: neither read nor written whole
+    else:
+      total += array_bytes(shapes.get(operand, ""))
+  if in_place and len(root.operands) > 1:
+    return total + array_bytes(shapes.get(root.operands[1], ""))
+  return total + array_bytes(instr.shape)
 
 
 def _moved_bytes(kind: str, instr: _Instr, shapes: dict[str, str], n: int) -> float:
