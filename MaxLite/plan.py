@@ -50,6 +50,9 @@ def run(argv: Sequence[str]) -> int:
   pinned = pinned_keys(argv)
   plans = candidates.enumerate_plans(raw, target, num_slices, pinned)
   kept, rejected = candidates.prune(plans, raw, target, num_slices)
+  baseline = candidates.Candidate({})  # the config exactly as given: compiled first, marked in the table
+  if candidates.validate(baseline, raw, target, num_slices) is None:
+    kept.insert(0, baseline)
   if not kept:
     raise ConfigError(_nothing_fits(raw, target, num_slices, rejected))
   print(
@@ -68,7 +71,14 @@ def run(argv: Sequence[str]) -> int:
     hbm_gib=raw["plan_hbm_gib"],
   )
   ranked = rank(results)
-  print(table(ranked[: raw["plan_top_n"]], target))
+  # the top N, and the config as given wherever it ranks
+  shown = [(i, r) for i, r in enumerate(ranked, 1) if i <= raw["plan_top_n"] or not r.plan.overrides]
+  print(table(shown, target))
+  configured = next((r for r in results if not r.plan.overrides), None)
+  if configured is not None and (configured.fits and configured.prediction):
+    print("* = the config as given")
+  elif configured is not None:
+    print(f"the config as given does not fit: {configured.error or f'{configured.device_bytes / GiB:.1f} GiB'}")
   print(rejections(rejected, results, stopped))
   if not ranked:
     raise ConfigError(f"no compiled plan fits {target.name}; " + _nothing_fits(raw, target, num_slices, rejected))
@@ -99,15 +109,16 @@ def describe(plan: candidates.Candidate) -> str:
   return f"{mesh or 'single'} | {c['remat_policy']} | {c['attention_kernel']} | {batch}"
 
 
-def table(ranked: list[search.Result], target: topologies.Target) -> str:
+def table(ranked: list[tuple[int, search.Result]], target: topologies.Target) -> str:
   head = f"{'#':>2}  {'plan (mesh | remat | attention | batch/device)':<62} {'MFU':>6} {'tok/s/chip':>10} "
   head += f"{'step s':>7} {'HBM GiB':>8} {'free':>5}  bottleneck"
   lines = [head, "-" * len(head)]
   hbm = target.chip.hbm_bytes if target.chip else float("inf")
-  for i, r in enumerate(ranked, 1):
+  for i, r in ranked:
     p = r.prediction
+    label = describe(r.plan) + (" *" if not r.plan.overrides else "")
     lines.append(
-      f"{i:>2}  {describe(r.plan):<62} {100 * p['mfu']:>5.1f}% {p['tokens_per_s_per_chip']:>10,.0f} "
+      f"{i:>2}  {label:<62} {100 * p['mfu']:>5.1f}% {p['tokens_per_s_per_chip']:>10,.0f} "
       f"{p['step_s']:>7.3f} {r.device_bytes / GiB:>8.1f} {100 * (1 - r.device_bytes / hbm):>4.0f}%  {r.bottleneck}"
     )
   return "\n".join(lines)

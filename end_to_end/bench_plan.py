@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,26 +37,35 @@ ROWS = {
     56.06,
   ),
 }
-_PIN_ALL = ["ici_data_parallelism=1", "ici_sequence_parallelism=1", "ici_pipeline_parallelism=1"]
 
 
-def plan(args: list[str], budget: float, workers: int) -> tuple[str, float]:
-  command = [sys.executable, "MaxLite/plan.py", "configs/base.yml", *args, f"plan_time_budget_s={budget}"]
+def plan(yml: str, args: list[str], budget: float, workers: int) -> tuple[str, float]:
+  command = [sys.executable, "MaxLite/plan.py", yml, *args, f"plan_time_budget_s={budget}"]
   command += [f"plan_workers={workers}", "plan_top_n=3", "--plan_output=/dev/null"]
   started = time.time()
   done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-  if done.returncode not in (0, 2):
-    sys.stderr.write(done.stderr[-3000:])
-  return done.stdout + "".join(line + "\n" for line in done.stderr.splitlines() if line.startswith("error:")), (
-    time.time() - started
-  )
+  errors = "".join(line + "\n" for line in done.stderr.splitlines() if line.startswith("error:"))
+  return done.stdout + errors, time.time() - started
 
 
-def best_row(stdout: str) -> tuple[str, float] | None:
-  import re
+def rows_of(stdout: str) -> list[tuple[str, float, bool]]:
+  """(plan, predicted MFU %, is the config as given) of each ranked row."""
+  found = re.findall(r"^\s*\d+\s{2}(.+?)\s+(\d+\.\d)%", stdout, re.M)
+  return [(p.removesuffix(" *").strip(), float(m), p.endswith(" *")) for p, m in found]
 
-  found = re.search(r"^\s*1\s{2}(.+?)\s+(\d+\.\d)%", stdout, re.M)
-  return (found.group(1).strip(), float(found.group(2))) if found else None
+
+def recipe_file(keys: list[str], batch: float) -> str:
+  """MaxText's recipe as a config file: its keys are the baseline plan.py compiles first, not pins."""
+  path = os.path.join(tempfile.mkdtemp(prefix="maxtext_recipe_"), "recipe.yml")
+  lines = [f"base_config: {os.path.join(REPO, 'configs', 'base.yml')}"]
+  lines += [k.replace("=", ": ", 1) for k in [*COMMON, *keys] if not k.startswith("per_device_batch_size")]
+  lines += [
+    f"per_device_batch_size: {batch:g}",
+    "ici_fsdp_parallelism: -1" if not any("fsdp" in k for k in keys) else "",
+  ]
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
 
 
 def main() -> int:
@@ -64,27 +75,33 @@ def main() -> int:
   p.add_argument("--rows", default=",".join(ROWS))
   args = p.parse_args()
   lines = [
-    "| row | slice | published MFU | predicted, MaxText's recipe | predicted, plan.py's pick | pick fits | seconds |",
-    "|---|---|---|---|---|---|---|",
+    "| row | slice | published MFU | recipe batch | predicted for the recipe | plan.py's pick | predicted | seconds |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for name in args.rows.split(","):
     topology, model, recipe, published = ROWS[name]
-    base = [f"model_name={model}", f"compile_topology={topology}", *COMMON]
-    pinned = recipe + [k for k in _PIN_ALL if k.split("=")[0] not in " ".join(recipe)]
-    if not any(k.startswith("ici_fsdp") for k in recipe):
-      pinned.append("ici_fsdp_parallelism=-1")
-    recipe_out, recipe_s = plan([*base, *pinned, "plan_top_n=1"], args.budget_s, args.workers)
-    pick_out, pick_s = plan(base, args.budget_s, args.workers)
-    recipe_best, pick_best = best_row(recipe_out), best_row(pick_out)
-    recipe_text = f"{recipe_best[1]:.1f}%" if recipe_best else "did not fit / failed"
-    pick_text = f"{pick_best[1]:.1f}% ({pick_best[0]})" if pick_best else "none"
+    batch = float(next(k for k in recipe if k.startswith("per_device_batch_size")).split("=")[1])
+    seconds, note = 0.0, ""
+    while True:  # the recipe's batch, else the largest smaller one that fits MaxLite's memory
+      out, spent = plan(
+        recipe_file(recipe, batch), [f"model_name={model}", f"compile_topology={topology}"], args.budget_s, args.workers
+      )
+      seconds += spent
+      rows = rows_of(out)
+      configured = next((r for r in rows if r[2]), None)
+      if configured or batch <= 1:
+        break
+      note = note or f"{batch:g} does not fit MaxLite; "
+      batch -= 1
+    best = rows[0] if rows else None
     lines.append(
-      f"| {name} | {topology} | {published:.1f}% | {recipe_text} | {pick_text} | {'yes' if pick_best else 'no'} | "
-      f"{recipe_s + pick_s:.0f} |"
+      f"| {name} | {topology} | {published:.1f}% | {note}{batch:g} | "
+      f"{f'{configured[1]:.1f}%' if configured else 'does not fit'} | {best[0] if best else 'none'} | "
+      f"{f'{best[1]:.1f}%' if best else '-'} | {seconds:.0f} |"
     )
     print(lines[-1], flush=True)
-    if not recipe_best:
-      print(recipe_out[-2000:], file=sys.stderr)
+    if not rows:
+      print(out[-3000:], file=sys.stderr)
   print("\n".join(lines))
   return 0
 

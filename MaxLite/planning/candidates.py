@@ -46,7 +46,7 @@ class Candidate:
 
   @property
   def label(self) -> str:
-    return " ".join(f"{k}={v}" for k, v in self.overrides.items())
+    return " ".join(f"{k}={v}" for k, v in self.overrides.items()) or "(the config as given)"
 
 
 def _powers_of_two(n: int) -> list[int]:
