@@ -81,18 +81,21 @@ def main() -> int:
   for name in args.rows.split(","):
     topology, model, recipe, published = ROWS[name]
     batch = float(next(k for k in recipe if k.startswith("per_device_batch_size")).split("=")[1])
-    seconds, note = 0.0, ""
-    while True:  # the recipe's batch, else the largest smaller one that fits MaxLite's memory
-      out, spent = plan(
-        recipe_file(recipe, batch), [f"model_name={model}", f"compile_topology={topology}"], args.budget_s, args.workers
-      )
+    seconds, note, where = 0.0, "", [f"model_name={model}", f"compile_topology={topology}"]
+    while True:  # the recipe as one pinned plan: its batch, else the largest smaller one that fits MaxLite
+      pins = [*COMMON, *[k for k in recipe if not k.startswith("per_device")], f"per_device_batch_size={batch:g}"]
+      pins += [] if any("fsdp" in k for k in recipe) else ["ici_fsdp_parallelism=-1"]
+      pins += ["ici_data_parallelism=1", "ici_sequence_parallelism=1", "ici_pipeline_parallelism=1"]
+      out, spent = plan(os.path.join(REPO, "configs", "base.yml"), [*where, *pins], args.budget_s, args.workers)
       seconds += spent
-      rows = rows_of(out)
-      configured = next((r for r in rows if r[2]), None)
+      configured = next(iter(rows_of(out)), None)
       if configured or batch <= 1:
         break
       note = note or f"{batch:g} does not fit MaxLite; "
       batch -= 1
+    out, spent = plan(recipe_file(recipe, batch), where, args.budget_s, args.workers)  # the search, recipe first
+    seconds += spent
+    rows = rows_of(out)
     best = rows[0] if rows else None
     lines.append(
       f"| {name} | {topology} | {published:.1f}% | {note}{batch:g} | "

@@ -76,6 +76,8 @@ def cache_dir(config_value: str) -> str:
 def _init_worker(target_name: str) -> None:
   from MaxLite.train_compile import prepare_backend
 
+  # Several compile-only workers load libtpu at once; its single-process lock file is for real TPU hosts.
+  os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
   prepare_backend(topologies.parse(target_name))
 
 
@@ -158,6 +160,7 @@ def run_search(
     max_workers=max(1, workers), mp_context=context, initializer=_init_worker, initargs=(target.name,)
   )
   running: dict[concurrent.futures.Future, tuple[Candidate, str]] = {}
+  failures = 0
   try:
     while todo or running:
       best = _best_seconds_per_token(results)
@@ -182,9 +185,14 @@ def run_search(
           payload = future.result()
         except Exception as e:  # a worker that died (e.g. out of host memory) fails its plan only
           payload = {"fits": False, "error": first_line(e, with_type=True)}
-        with open(path, "w") as f:
-          json.dump(payload, f)
+        if payload.get("fits") or "DOES NOT FIT" in payload.get("error", ""):  # answers, not accidents, are kept
+          with open(path, "w") as f:
+            json.dump(payload, f)
         results.append(_result(plan, payload))
+        failures = 0 if payload.get("fits") or "DOES NOT FIT" in payload.get("error", "") else failures + 1
+        if failures >= 3 and todo:  # the same accident every time is the toolchain, not the plans
+          stopped = f"3 compiles in a row failed ({payload.get('error', '')}); {len(todo)} plans not compiled"
+          todo.clear()
         progress(_progress_line(results, len(todo) + len(running), time.monotonic() - start, budget_s))
   finally:
     pool.shutdown(wait=True, cancel_futures=True)
