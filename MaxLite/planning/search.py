@@ -185,11 +185,12 @@ def run_search(
           payload = future.result()
         except Exception as e:  # a worker that died (e.g. out of host memory) fails its plan only
           payload = {"fits": False, "error": first_line(e, with_type=True)}
-        if payload.get("fits") or "DOES NOT FIT" in payload.get("error", ""):  # answers, not accidents, are kept
+        answered = "device_bytes" in payload or "DOES NOT FIT" in payload.get("error", "")
+        if answered:  # answers (fits, or by how much not) are kept; accidents are tried again next time
           with open(path, "w") as f:
             json.dump(payload, f)
         results.append(_result(plan, payload))
-        failures = 0 if payload.get("fits") or "DOES NOT FIT" in payload.get("error", "") else failures + 1
+        failures = 0 if answered else failures + 1
         if failures >= 3 and todo:  # the same accident every time is the toolchain, not the plans
           stopped = f"3 compiles in a row failed ({payload.get('error', '')}); {len(todo)} plans not compiled"
           todo.clear()
