@@ -129,14 +129,18 @@ def rejections(rejected: dict[str, list[str]], results: list[search.Result], sto
   invalid = rejected["invalid"]
   if invalid:
     reasons: dict[str, int] = {}
-    for item in invalid:
-      reason = item.split(": ", 1)[1] if ": " in item else item
-      reasons[reason.split(" got ")[0][:110]] = reasons.get(reason.split(" got ")[0][:110], 0) + 1
-    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:4]
-    lines.append(f"  {len(invalid)} invalid layouts, e.g. " + "; ".join(f"{r} ({n}x)" for r, n in top))
+    for _, reason in invalid:
+      key = reason.split(" (")[0]
+      reasons[key] = reasons.get(key, 0) + 1
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+    lines.append(f"  {len(invalid)} invalid, e.g. " + "; ".join(f"{r} ({n}x)" for r, n in top))
   short = rejected["does not fit"]
   if short:
-    lines.append(f"  {len(short)} cannot fit by the memory lower bound, e.g. {short[0]}")
+    plan, needed = min(short, key=lambda item: item[1])
+    lines.append(
+      f"  {len(short)} cannot fit by the memory lower bound; the closest, {describe(plan)}, needs at least "
+      f"{needed / GiB:.1f} GiB per device"
+    )
   too_big = [r for r in results if not r.fits and "DOES NOT FIT" in r.error or (not r.fits and r.device_bytes)]
   if too_big:
     worst = min(too_big, key=lambda r: r.device_bytes or float("inf"))
@@ -199,11 +203,11 @@ def _yaml_value(v: Any) -> str:
 
 def _nothing_fits(raw: dict[str, Any], target: topologies.Target, num_slices: int, rejected: dict) -> str:
   """One line: the smallest memory any plan needs, and how many chips that would take."""
-  needs = [float(r.split("needs at least ")[1].split(" GiB")[0]) for r in rejected["does not fit"]]
+  needs = [needed for _, needed in rejected["does not fit"]]
   if not needs or target.chip is None:
-    reason = rejected["invalid"][0] if rejected["invalid"] else "no layout is valid"
+    reason = rejected["invalid"][0][1] if rejected["invalid"] else "no layout is valid"
     return f"model {raw['model_name']} has no valid plan on {target.name}: {reason}"
-  smallest = min(needs) * GiB
+  smallest = min(needs)
   chips = target.num_devices * num_slices * 2 ** math.ceil(math.log2(smallest / target.chip.hbm_bytes))
   return (
     f"model {raw['model_name']} cannot fit on {target.name}: every plan needs at least {smallest / GiB:.1f} GiB per "

@@ -169,22 +169,20 @@ class _AttrDict(dict):
 
 def prune(
   plans: list[Candidate], raw: dict[str, Any], target: Target, num_slices: int
-) -> tuple[list[Candidate], dict[str, list[str]]]:
-  """(plans that may fit, fastest optimistic first; reasons the others were dropped, grouped by kind)."""
-  rejected: dict[str, list[str]] = {"invalid": [], "does not fit": []}
+) -> tuple[list[Candidate], dict[str, list[tuple[Candidate, Any]]]]:
+  """(plans that may fit, fastest optimistic first; the others by kind: "invalid" with the validator's reason,
+  "does not fit" with the bytes per device they need at least)."""
+  rejected: dict[str, list[tuple[Candidate, Any]]] = {"invalid": [], "does not fit": []}
   kept = []
   hbm = target.chip.hbm_bytes if target.chip else float("inf")
   for plan in plans:
     reason = validate(plan, raw, target, num_slices)
     if reason:
-      rejected["invalid"].append(f"{plan.label}: {reason}")
+      rejected["invalid"].append((plan, reason))
       continue
     plan.memory_bound = memory_lower_bound(plan.config)
     if plan.memory_bound > hbm:
-      rejected["does not fit"].append(
-        f"{plan.label}: needs at least {plan.memory_bound / GiB:.1f} GiB per device, "
-        f"has {hbm / GiB:.1f} GiB ({(plan.memory_bound - hbm) / GiB:.1f} GiB short)"
-      )
+      rejected["does not fit"].append((plan, plan.memory_bound))
       continue
     plan.optimistic_s = optimistic_seconds(plan.config, target) if target.chip else 0.0
     kept.append(plan)
