@@ -64,7 +64,7 @@ def layouts(raw: dict[str, Any], devices: int, pinned: set[str]) -> list[dict[st
     "data": [1, 2, 4, 8],
   }
   for axis, key in MESH_KEYS.items():
-    if key in pinned and raw[key] != -1:
+    if axis in options and key in pinned and raw[key] != -1:
       options[axis] = [raw[key]]
   out = []
   for tensor, sequence, stage, expert, data in itertools.product(*options.values()):
