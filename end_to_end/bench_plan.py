@@ -85,10 +85,11 @@ def main() -> int:
     while True:  # the recipe as one pinned plan: its batch, else the largest smaller one that fits MaxLite
       pins = [*COMMON, *[k for k in recipe if not k.startswith("per_device")], f"per_device_batch_size={batch:g}"]
       pins += [] if any("fsdp" in k for k in recipe) else ["ici_fsdp_parallelism=-1"]
+      pins += [] if any("tensor" in k for k in recipe) else ["ici_tensor_parallelism=1"]
       pins += ["ici_data_parallelism=1", "ici_sequence_parallelism=1", "ici_pipeline_parallelism=1"]
       out, spent = plan(os.path.join(REPO, "configs", "base.yml"), [*where, *pins], args.budget_s, args.workers)
       seconds += spent
-      configured = next(iter(rows_of(out)), None)
+      configured = next((r for r in rows_of(out) if r[2]), None)  # the recipe exactly, every key pinned
       if configured or batch <= 1:
         break
       note = note or f"{batch:g} does not fit MaxLite; "
