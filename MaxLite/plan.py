@@ -211,7 +211,7 @@ def _nothing_fits(raw: dict[str, Any], target: topologies.Target, num_slices: in
   chips = target.num_devices * num_slices * 2 ** math.ceil(math.log2(smallest / target.chip.hbm_bytes))
   return (
     f"model {raw['model_name']} cannot fit on {target.name}: every plan needs at least {smallest / GiB:.1f} GiB per "
-    f"device (the train state alone, fully sharded), a {target.chip.family} chip has "
+    f"device (train state and the activations its remat policy keeps), a {target.chip.family} chip has "
     f"{target.chip.hbm_bytes / GiB:.0f} GiB; it needs at least {chips} chips ({target.chip.family}-"
     f"{chips * target.chip.cores_per_chip})"
   )
