@@ -3,6 +3,9 @@
 Usage:
   python MaxLite/plan.py CONFIG.yml model_name=llama2-70b compile_topology=v5p-128 [key=value ...]
       [--explain=N] [--plan_output=FILE]
+Example:
+  python MaxLite/plan.py configs/base.yml model_name=llama2-70b compile_topology=v5p-128 max_target_length=4096 \
+      dtype=bfloat16 plan_time_budget_s=600 --explain=1
 Keys given on the command line stay pinned (e.g. ici_tensor_parallelism=4, remat_policy=full,
 per_device_batch_size=2); plan_global_batch_size=N fixes the sequences per optimizer step (the planner then
 splits them into per-device batches and gradient accumulation). Everything else MaxLite offers is searched:
