@@ -144,7 +144,7 @@ def rejections(rejected: dict[str, list[str]], results: list[search.Result], sto
       f"  {len(short)} cannot fit by the memory lower bound; the closest, {describe(plan)}, needs at least "
       f"{needed / GiB:.1f} GiB per device"
     )
-  too_big = [r for r in results if not r.fits and "DOES NOT FIT" in r.error or (not r.fits and r.device_bytes)]
+  too_big = [r for r in results if not r.fits and ("DOES NOT FIT" in r.error or r.device_bytes)]
   if too_big:
     worst = min(too_big, key=lambda r: r.device_bytes or float("inf"))
     lines.append(
@@ -189,7 +189,7 @@ def write_plan(path: str, argv: Sequence[str], best: search.Result) -> None:
     f"base_config: {os.path.abspath(yml)}",
   ]
   values: dict[str, Any] = dict(a.split("=", 1) for a in user)
-  values.update({k: v for k, v in best.plan.overrides.items()})
+  values.update(best.plan.overrides)
   lines += [f"{k}: {_yaml_value(v)}" for k, v in values.items()]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:

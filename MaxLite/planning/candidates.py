@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from MaxLite import derived
+from MaxLite.config import Config
 from MaxLite.errors import ConfigError
 from MaxLite.topologies import Target
 
@@ -149,7 +150,7 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
 
   chip = target.chip
   mesh = dict(zip(derived.MESH_AXES, c["mesh_shape"]))
-  per_device = flops.training_flops_per_step(_AttrDict(c))["total"] / c["num_devices"]
+  per_device = flops.training_flops_per_step(Config(c))["total"] / c["num_devices"]
   compute = per_device * RECOMPUTE.get(c["remat_policy"], 1.0) / (chip.peak_bf16_tflops * 1e12)
   send = chip.ici_gbits_per_s / 8 * 1e9 / 2
   weight = 2 if c["weight_dtype"] == "bfloat16" else 4
@@ -161,10 +162,6 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   tensor *= c["gradient_accumulation_steps"]
   data = 2 * shard * 4 * (mesh["data"] - 1) / mesh["data"]  # the float32 gradient all-reduce over data
   return max(compute, (gathers + data) / send) + tensor / send
-
-
-class _AttrDict(dict):
-  __getattr__ = dict.__getitem__
 
 
 def prune(

@@ -10,7 +10,6 @@ count, so a 32-layer scan counts 32 layers, not one as XLA's cost_analysis() doe
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections import defaultdict
@@ -431,11 +430,3 @@ def summary(ops: Sequence[Op]) -> dict[str, float]:
     out["hbm_bytes"] += op.hbm_bytes * op.runs
     out["collective_bytes"] += op.moved_bytes * op.runs
   return out
-
-
-def to_json(ops: Sequence[Op]) -> str:
-  return json.dumps([dataclasses.asdict(o) for o in ops])
-
-
-def from_json(text: str) -> list[Op]:
-  return [Op(**{**d, "axes": tuple(d["axes"])}) for d in json.loads(text)]

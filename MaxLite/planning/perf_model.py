@@ -70,8 +70,7 @@ class Interconnect:
   def seconds(self, op: Op) -> float:
     if op.moved_bytes <= 0:
       return COLLECTIVE_LATENCY_S if op.collective else 0.0
-    across_slices = math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
-    if across_slices:
+    if self.crosses_slices(op):
       return COLLECTIVE_LATENCY_S + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
     within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) or op.group_size
     return COLLECTIVE_LATENCY_S + op.moved_bytes / self.send_bandwidth(within)

@@ -113,10 +113,12 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
     dict(zip(derived.MESH_AXES, c.ici_mesh_shape)),
     dict(zip(derived.MESH_AXES, c.dcn_mesh_shape)),
   )
-  model_flops = flops.training_flops_per_step(c)["total"] / c.num_devices
+  step_flops = flops.training_flops_per_step(c)
+  model_flops = step_flops["total"] / c.num_devices
   if c.attention_kernel == "splash":  # a Pallas kernel: its matmuls are not in the HLO; count the model's
-    attention = flops.training_flops_per_step(c)["attention"] / c.num_devices
-    ops.append(hlo_costs.Op("splash_attention", "custom-call", "splash", 1.0, flops=attention))
+    ops.append(
+      hlo_costs.Op("splash_attention", "custom-call", "splash", 1.0, flops=step_flops["attention"] / c.num_devices)
+    )
   tokens = c.global_batch_size_to_train_on * c.max_target_length / c.num_devices
   prediction = perf_model.predict(ops, net, model_flops, tokens)
   out["prediction"] = dataclasses.asdict(prediction)
