@@ -249,6 +249,8 @@ MODEL_KEYS = (
   "num_experts_per_tok",
   "base_moe_mlp_dim",
   "norm_topk_prob",
+  "fused_qkv",
+  "fused_mlp",
   "scan_layers",
 )
 

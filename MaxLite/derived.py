@@ -14,6 +14,7 @@ from typing import Any
 from MaxLite import attention_choice, paths
 from MaxLite.data import sources
 from MaxLite.errors import ConfigError
+from MaxLite.layers import remat
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 # Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
@@ -25,18 +26,7 @@ AXIS_KEY = {
   "tensor": "tensor",
   "expert": "expert",
 }
-REMAT_POLICIES = (
-  "none",
-  "full",
-  "minimal",
-  "save_dot_except_mlp",
-  "save_dot_except_mlpwi",
-  "save_qkv_proj",
-  "save_out_proj",
-  "minimal_offloaded",
-  "qkv_proj_offloaded",
-  "save_dot_except_mlp_offloaded",
-)
+REMAT_POLICIES = remat.REMAT_POLICIES
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
 TOKENIZER_TYPES = ("sentencepiece", "huggingface", "tiktoken")  # MaxText's names
@@ -111,6 +101,9 @@ def _check_choices(c: dict[str, Any]) -> None:
   ):
     if c[key] not in choices:
       raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
+  for name in remat.REMAT_NAMES:
+    if c[name] not in remat.PLACEMENTS:
+      raise ConfigError(f"{name}={c[name]!r} is not one of: {', '.join(repr(x) for x in remat.PLACEMENTS)}")
   if list(c["mlp_activations"]) != ["silu", "linear"]:
     raise ConfigError(f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU)")
   for rule in c["logical_axis_rules"]:
@@ -263,6 +256,13 @@ def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, bat
 def _check_model_features(c: dict[str, Any]) -> None:
   if c["head_dim"] % 2:
     raise ConfigError(f"head_dim={c['head_dim']} must be even (RoPE rotates pairs of features)")
+  if c["fused_qkv"] and c["base_num_kv_heads"] != c["base_num_query_heads"]:
+    raise ConfigError(
+      f"fused_qkv=true needs base_num_kv_heads == base_num_query_heads (one head count for q, k and v), got "
+      f"{c['base_num_kv_heads']} and {c['base_num_query_heads']}; set fused_qkv=false for GQA/MQA"
+    )
+  if c["fused_mlp"] and c["num_experts"] > 1:
+    raise ConfigError("fused_mlp=true fuses the dense MLP's kernels; with num_experts > 1 there is none, set it false")
   if c["base_moe_mlp_dim"] == 0 or c["base_moe_mlp_dim"] < -1:
     raise ConfigError(f"base_moe_mlp_dim={c['base_moe_mlp_dim']} must be positive or -1 (= base_mlp_dim)")
   if c["rope_type"] == "default":

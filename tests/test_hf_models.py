@@ -324,3 +324,32 @@ def test_loading_drops_no_parameter_and_exports_no_foreign_bos(tmp_path):
     exported = json.load(f)
   assert exported["bos_token_id"] is None and exported["eos_token_id"] is None
   assert exported["max_position_embeddings"] == 128  # config.json's, kept through MaxLite
+
+
+@pytest.mark.parametrize("scan_layers", ["true", "false"])
+def test_fused_projections_import_and_export_exactly(tmp_path, scan_layers):
+  """fused_qkv / fused_mlp hold the same weights in one kernel each: transformers' logits, an exact export."""
+  family, overrides = "Qwen2", dict(num_key_value_heads=SMALL["num_attention_heads"])  # MHA with q/k/v biases
+  config = transformers.Qwen2Config(**{**SMALL, **overrides}, rope_parameters={"rope_theta": 10000.0})
+  torch.manual_seed(0)
+  model = transformers.Qwen2ForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if "bias" in name:
+        param.add_(0.3 * torch.randn_like(param))
+  model.save_pretrained(str(tmp_path / family))
+  fused = ["fused_qkv=true", "fused_mlp=true", f"scan_layers={scan_layers}"]
+  step_dir = convert_hf.to_maxlite(str(tmp_path / family), str(tmp_path / "ml"), fused)
+  config = maxlite_config(step_dir)
+  assert config.fused_qkv and config.fused_mlp  # taken from the checkpoint
+  params = maxlite_params(config, step_dir)
+  layer = params["decoder"]["layers"] if scan_layers == "true" else params["decoder"]["layers_0"]
+  assert set(layer["self_attention"]) == {"qkv_proj", "out"} and set(layer["mlp"]) == {"wi", "wo"}
+  ids = token_ids(model.config.vocab_size)
+  with torch.no_grad():
+    expected = model(torch.tensor(ids)).logits.numpy()
+  assert np.abs(maxlite_logits(config, params, ids) - expected).max() <= 2e-5
+  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+  for name, tensor in reloaded.state_dict().items():
+    assert torch.equal(tensor, model.state_dict()[name]), name

@@ -19,14 +19,24 @@ import numpy as np
 from MaxLite import config as config_lib
 from MaxLite import paths
 from MaxLite.checkpoint import STATE, saved_config_path
-from MaxLite.checkpoint.hf_layout import global_tensors, hf_config_from_model, layer_tensors, model_settings_from_hf
+from MaxLite.checkpoint.hf_layout import (
+  global_tensors,
+  hf_config_from_model,
+  layer_tensors,
+  model_settings_from_hf,
+  part_slice,
+)
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.errors import InputError
 
+_REQUIRED = object()
 
-def _get(tree: dict, path: str) -> Any:
+
+def _get(tree: dict, path: str, missing: Any = _REQUIRED) -> Any:
   for key in path.split("/"):
+    if key not in tree and missing is not _REQUIRED:
+      return missing
     tree = tree[key]
   return tree
 
@@ -62,17 +72,19 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   for t in global_tensors(config.logits_via_embedding):
     _set(params, t.path, _converted(reader, t.hf_name, t.to_maxlite).astype(dtype))
   for t in layer_tensors(config):
-    stacked = None
     for i in range(n):
       value = _read_layer_tensor(reader, t, i, config.num_experts)
-      if not config.scan_layers:
-        _set(params, f"decoder/layers_{i}/{t.path}", value.astype(dtype))
-        continue
-      if stacked is None:
-        stacked = np.empty((n, *value.shape), dtype)
-      stacked[i] = value
-    if config.scan_layers:
-      _set(params, f"decoder/layers/{t.path}", stacked)
+      path = f"decoder/layers/{t.path}" if config.scan_layers else f"decoder/layers_{i}/{t.path}"
+      whole = _get(params, path, missing=None)
+      if whole is None:  # the first layer (or first part of a fused weight) gives the shape
+        shape = value.shape
+        if t.part is not None:
+          axis, _, count = t.part
+          shape = (*shape[:axis], count, *shape[axis:])
+        whole = np.empty((n, *shape) if config.scan_layers else shape, dtype)
+        _set(params, path, whole)
+      layer = whole[i] if config.scan_layers else whole
+      layer[part_slice(t.part) if t.part is not None else ...] = value
   _check_against_model(params, config)
   return _save(params, config, output_path)
 
@@ -182,6 +194,8 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
     for t in layer_tensors(config):
       stacked = config.scan_layers
       value = _get(params, f"decoder/layers/{t.path}")[i] if stacked else _get(params, f"decoder/layers_{i}/{t.path}")
+      if t.part is not None:
+        value = value[part_slice(t.part)]
       name = f"model.layers.{i}.{t.hf_name}"
       if "{e}" in name:
         for e in range(config.num_experts):

@@ -34,12 +34,27 @@ _MODEL_TYPE = {
 
 class Tensor(NamedTuple):
   """One weight: MaxLite path (inside a layer for layer tensors), HF name ("{e}" = one tensor per expert,
-  stacked on MaxLite's leading expert axis) and the two conversions of one (per-expert) array."""
+  stacked on MaxLite's leading expert axis) and the two conversions of one (per-expert) array.
+
+  part = (axis, index, count): the HF tensor is one of `count` slices of a fused MaxLite weight (fused_qkv,
+  fused_mlp), stacked along `axis` of the per-layer array."""
 
   path: str
   hf_name: str
   to_maxlite: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+  part: tuple[int, int, int] | None = None
+
+
+def part_slice(part: tuple[int, int, int]) -> tuple:
+  """The index of one part in its fused per-layer array."""
+  axis, index, _ = part
+  return (slice(None),) * axis + (index,)
+
+
+def _fused(tensors: list[Tensor], path: str, axis: int) -> list[Tensor]:
+  """The same HF tensors as slices of one MaxLite weight at `path`."""
+  return [t._replace(path=path, part=(axis, i, len(tensors))) for i, t in enumerate(tensors)]
 
 
 # transformers' defaults where config.json leaves a field out (each config class's own, not Llama's).
@@ -222,10 +237,21 @@ def layer_tensors(config: Any) -> list[Tensor]:
   e, h, kv, hd = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
   project = lambda n: (lambda w: w.T.reshape(e, n, hd), lambda k: k.reshape(e, n * hd).T)
   bias = lambda n: (lambda b: b.reshape(n, hd), lambda b: b.reshape(n * hd))
-  out = [
+  qkv = [
     Tensor("self_attention/query/kernel", "self_attn.q_proj.weight", *project(h)),
     Tensor("self_attention/key/kernel", "self_attn.k_proj.weight", *project(kv)),
     Tensor("self_attention/value/kernel", "self_attn.v_proj.weight", *project(kv)),
+  ]
+  qkv_bias = [
+    Tensor("self_attention/query/bias", "self_attn.q_proj.bias", *bias(h)),
+    Tensor("self_attention/key/bias", "self_attn.k_proj.bias", *bias(kv)),
+    Tensor("self_attention/value/bias", "self_attn.v_proj.bias", *bias(kv)),
+  ]
+  if config.fused_qkv:  # [embed, 3, heads, head_dim] and its [3, heads, head_dim] bias
+    qkv = _fused(qkv, "self_attention/qkv_proj/kernel", 1)
+    qkv_bias = _fused(qkv_bias, "self_attention/qkv_proj/bias", 0)
+  out = [
+    *qkv,
     Tensor(
       "self_attention/out/kernel",
       "self_attn.o_proj.weight",
@@ -236,11 +262,7 @@ def layer_tensors(config: Any) -> list[Tensor]:
     Tensor("post_self_attention_norm/scale", "post_attention_layernorm.weight", *_SAME),
   ]
   if config.attention_bias:
-    out += [
-      Tensor("self_attention/query/bias", "self_attn.q_proj.bias", *bias(h)),
-      Tensor("self_attention/key/bias", "self_attn.k_proj.bias", *bias(kv)),
-      Tensor("self_attention/value/bias", "self_attn.v_proj.bias", *bias(kv)),
-    ]
+    out += qkv_bias
   if config.use_qk_norm:
     out += [
       Tensor("self_attention/query_norm/scale", "self_attn.q_norm.weight", *_SAME),
@@ -254,11 +276,13 @@ def layer_tensors(config: Any) -> list[Tensor]:
       Tensor("moe/wo", "mlp.experts.{e}.down_proj.weight", *_TRANSPOSED),
     ]
   else:
-    out += [
+    gate_up = [
       Tensor("mlp/wi_0/kernel", "mlp.gate_proj.weight", *_TRANSPOSED),
       Tensor("mlp/wi_1/kernel", "mlp.up_proj.weight", *_TRANSPOSED),
-      Tensor("mlp/wo/kernel", "mlp.down_proj.weight", *_TRANSPOSED),
     ]
+    if config.fused_mlp:  # [embed, 2, mlp]
+      gate_up = _fused(gate_up, "mlp/wi/kernel", 1)
+    out += [*gate_up, Tensor("mlp/wo/kernel", "mlp.down_proj.weight", *_TRANSPOSED)]
   return out
 
 

@@ -20,6 +20,7 @@ from MaxLite.layers.rope import apply_rope, rope_frequencies
 from MaxLite.layers.splash import splash_attention
 
 BATCH, LENGTH = "activation_batch", "activation_length"
+EMBED = (BATCH, LENGTH, "activation_embed")
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully padded rows stay NaN-free
 
 
@@ -76,24 +77,20 @@ class Attention(nn.Module):
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     scale = cfg.dense_init_scale
 
-    def project(name: str, heads: int, head_axis: str) -> jax.Array:
-      y = DenseGeneral(
-        (heads, cfg.head_dim),
-        ("embed", head_axis, "kv"),
-        dtype=dtype,
-        weight_dtype=wdtype,
-        init_scale=scale,
-        use_bias=cfg.attention_bias,
-        name=name,
-      )(x)
-      if cfg.use_qk_norm and name != "value":  # Qwen3: RMSNorm over each head's features, before RoPE
-        norm = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name=f"{name}_norm")
-        y = norm(y)
-      return checkpoint_name(y, f"{name}_proj")
-
-    q = project("query", cfg.base_num_query_heads, "q_heads")
-    k = project("key", cfg.base_num_kv_heads, "kv_heads")
-    v = project("value", cfg.base_num_kv_heads, "kv_heads")
+    dense = dict(dtype=dtype, weight_dtype=wdtype, init_scale=scale, use_bias=cfg.attention_bias)
+    if cfg.fused_qkv:  # one [embed, 3, heads, head_dim] kernel (MHA only: the three parts have one head count)
+      heads = (3, cfg.base_num_query_heads, cfg.head_dim)
+      qkv = DenseGeneral(heads, ("embed", "qkv", "heads", "kv"), name="qkv_proj", **dense)(x)
+      qkv = nn.with_logical_constraint(qkv, (BATCH, LENGTH, None, "activation_heads", "activation_kv"))
+      qkv = checkpoint_name(qkv, "qkv_proj")
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      q = DenseGeneral((cfg.base_num_query_heads, cfg.head_dim), ("embed", "q_heads", "kv"), name="query", **dense)(x)
+      k = DenseGeneral((cfg.base_num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "kv"), name="key", **dense)(x)
+      v = DenseGeneral((cfg.base_num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "kv"), name="value", **dense)(x)
+    if cfg.use_qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+      q = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="query_norm")(q)
+      k = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="key_norm")(k)
     q = nn.with_logical_constraint(q, (BATCH, LENGTH, "activation_heads", "activation_kv"))
     k = nn.with_logical_constraint(k, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
     v = nn.with_logical_constraint(v, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
@@ -101,7 +98,9 @@ class Attention(nn.Module):
     frequencies, rope_scale = rope_frequencies(cfg)
     q = apply_rope(q, positions, frequencies, rope_scale)
     k = apply_rope(k, positions, frequencies, rope_scale)
-    q = q * jnp.asarray(cfg.head_dim**-0.5, q.dtype)
+    # Named as attention reads them (after norm, RoPE and scaling), so a saved q/k/v needs nothing recomputed.
+    q = checkpoint_name(q * jnp.asarray(cfg.head_dim**-0.5, q.dtype), "query_proj")
+    k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     if self.decode:
       k, v, mask = self._update_cache(k, v, segment_ids, positions)
       out = dot_product_attention(q, k, v, mask)
@@ -112,7 +111,7 @@ class Attention(nn.Module):
     else:
       out = dot_product_attention(q, k, v, attention_mask(segment_ids))
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
-
+    out = checkpoint_name(out, "context")
     out = DenseGeneral(
       cfg.base_emb_dim,
       ("heads", "kv", "embed"),
@@ -122,7 +121,9 @@ class Attention(nn.Module):
       init_scale=scale,
       name="out",
     )(out)
-    return checkpoint_name(out, "out_proj")
+    # Constrained before it is named: with activation_embed split over `tensor` the saved copy is the
+    # reduce-scattered shard, not the all-reduced whole.
+    return checkpoint_name(nn.with_logical_constraint(out, EMBED), "out_proj")
 
   def _update_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple:
     b, length = k.shape[0], self.config.max_target_length

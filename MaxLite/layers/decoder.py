@@ -7,6 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
 from MaxLite.layers.attention import Attention
@@ -17,38 +18,9 @@ from MaxLite.layers.moe import MoeBlock, load_balance_loss
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.pipeline import run_pipeline
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.layers.remat import remat_policy
 
 EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
-
-_SAVE_NAMES = {
-  "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
-  "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
-  "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-  "save_out_proj": ("out_proj",),
-}
-# MaxText's qkv_proj_offloaded and MaxLite's offloaded variant of save_dot_except_mlp.
-_OFFLOADED_NAMES = {"qkv_proj_offloaded": "save_qkv_proj", "save_dot_except_mlp_offloaded": "save_dot_except_mlp"}
-
-
-def remat_policy(name: str) -> Any:
-  """The jax.checkpoint policy for a remat_policy name ("full" saves nothing, recomputes all).
-
-  The *_offloaded policies keep the same activations as their namesakes but in pinned host memory: copied out
-  during the forward pass, back in for the backward pass, instead of held in device memory or recomputed."""
-  policies = jax.checkpoint_policies
-  offload = dict(offload_src="device", offload_dst="pinned_host")
-  if name == "full":
-    return None
-  if name == "minimal":
-    return policies.checkpoint_dots_with_no_batch_dims
-  if name == "minimal_offloaded":
-    return policies.offload_dot_with_no_batch_dims(**offload)
-  if name in _OFFLOADED_NAMES:
-    names = _SAVE_NAMES[_OFFLOADED_NAMES[name]]
-    return policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names), **offload
-    )
-  return policies.save_only_these_names(*_SAVE_NAMES[name])
 
 
 class DecoderLayer(nn.Module):
@@ -63,7 +35,7 @@ class DecoderLayer(nn.Module):
     norm = dict(
       epsilon=cfg.normalization_layer_epsilon, dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype)
     )
-    x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
+    x = checkpoint_name(nn.with_logical_constraint(x, EMBED_ACTIVATION), "decoder_layer_input")
     h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
     h = Attention(cfg, self.decode, name="self_attention")(h, segment_ids, positions)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
@@ -93,7 +65,7 @@ class Decoder(nn.Module):
     cfg = self.config
     layer = DecoderLayer
     if cfg.remat_policy != "none" and not self.decode:  # decoding keeps no activations for a backward pass
-      layer = nn.remat(layer, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+      layer = nn.remat(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
       auxes = []
       for i in range(cfg.base_num_decoder_layers):
@@ -122,7 +94,7 @@ class Decoder(nn.Module):
       return DecoderLayer(cfg, self.deterministic).apply({"params": params}, h, seg, pos, rngs={"dropout": rng})
 
     if cfg.remat_policy != "none":
-      layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg.remat_policy))
+      layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg))
     rng = self.make_rng("dropout") if not self.deterministic else jax.random.key(0)
     x, aux = run_pipeline(
       layer_fn,

@@ -86,7 +86,11 @@ class DenseGeneral(nn.Module):
     )
     kernel = cast_weight(kernel, self.dtype)
     x = jnp.asarray(x, self.dtype)
-    if axis == tuple(range(x.ndim - n_in, x.ndim)) and not logical_axis_is_split("activation_length"):
+    # Only a merged group's leading dim may be split: merging a split dim behind an unsplit one (the heads of a
+    # fused [3, heads, head_dim] output) interleaves the shards, which GSPMD can only regather.
+    minor_dims = (*self.logical_axes[1:n_in], *self.logical_axes[n_in + 1 :])
+    mergeable = not any(logical_axis_is_split(a) for a in minor_dims)
+    if axis == tuple(range(x.ndim - n_in, x.ndim)) and mergeable and not logical_axis_is_split("activation_length"):
       # Contracting the trailing dims: one 2D matmul [rows, in] x [in, out]. XLA's CPU backend runs
       # the backward pass of this form about twice as fast as the same dot with 3D operands. Not when
       # the sequence is split: merging a split batch with a split sequence makes GSPMD regather.

@@ -110,9 +110,11 @@ class MoeBlock(nn.Module):
 
     tokens = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(dtype), x.astype(dtype))
     tokens = nn.with_logical_constraint(tokens, EXPERT_ACTIVATION)
-    gate = jnp.einsum("ebcd,edm->ebcm", tokens, wi_0)
-    up = jnp.einsum("ebcd,edm->ebcm", tokens, wi_1)
-    hidden = nn.with_logical_constraint(checkpoint_name(nn.silu(gate) * up, "mlpwi"), EXPERT_HIDDEN)
+    gate = nn.with_logical_constraint(jnp.einsum("ebcd,edm->ebcm", tokens, wi_0), EXPERT_HIDDEN)
+    up = nn.with_logical_constraint(jnp.einsum("ebcd,edm->ebcm", tokens, wi_1), EXPERT_HIDDEN)
+    gate, up = checkpoint_name(gate, "moe_mlpwi_0"), checkpoint_name(up, "moe_mlpwi_1")
+    hidden = nn.with_logical_constraint(nn.silu(gate) * up, EXPERT_HIDDEN)
     out = nn.with_logical_constraint(jnp.einsum("ebcm,emd->ebcd", hidden, wo), EXPERT_ACTIVATION)
-    y = jnp.einsum("ebcd,bsec->bsd", out, combine.astype(dtype))
+    y = jnp.einsum("ebcd,bsec->bsd", checkpoint_name(out, "moe_mlpwo"), combine.astype(dtype))
+    y = nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
     return checkpoint_name(y, "mlpwo"), aux
