@@ -39,6 +39,60 @@ CHIPS = {
 }
 
 
+# XLA flags for TPU collectives, per chip generation, from MaxText's performance recipes (MaxText commit 30c0d0d4c:
+# configs/v5p/*.sh, v5e/*.sh and v4/*.sh export them as LIBTPU_INIT_ARGS): all-gathers and reduce-scatters run
+# asynchronously and fused, overlapped with compute, pipelined backwards through the scanned layers, and data-parallel
+# all-reduces combined. No recipe publishes flags for v6e, so it gets none. train.py sets them on TPU and
+# train_compile.py compiles with them, so the memory and schedule it reports are the pod's; a LIBTPU_INIT_ARGS already
+# in the environment wins unchanged.
+_ASYNC_FUSION = (
+  "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+  "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+  "--xla_tpu_enable_async_collective_fusion=true",
+  "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+  "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+  "--xla_tpu_overlap_compute_collective_tc=true",
+  "--xla_enable_async_all_gather=true",
+)
+LIBTPU_FLAGS = {
+  "v4": ("--xla_enable_async_all_gather=true",),
+  "v5e": _ASYNC_FUSION,
+  "v5p": (
+    *_ASYNC_FUSION,
+    "--xla_tpu_megacore_fusion_allow_ags=false",
+    "--xla_enable_async_collective_permute=true",
+    "--xla_tpu_enable_ag_backward_pipelining=true",
+  ),
+  "v6e": (),
+}
+
+
+def libtpu_init_args(family: str, environ: dict[str, str]) -> tuple[str, str]:
+  """(LIBTPU_INIT_ARGS to use, where it came from) for a chip family: the environment's own value wins."""
+  if "LIBTPU_INIT_ARGS" in environ:
+    return environ["LIBTPU_INIT_ARGS"], "LIBTPU_INIT_ARGS from the environment"
+  return " ".join(LIBTPU_FLAGS.get(family, ())), f"MaxLite's {family} defaults (topologies.LIBTPU_FLAGS)"
+
+
+def family_of_accelerator(accelerator_type: str) -> str | None:
+  """'v5p-128' / 'v5litepod-256' / 'v6e-8' (TPU_ACCELERATOR_TYPE on a TPU VM) -> the chip family, or None."""
+  match = re.match(r"(v4|v5p|v5e|v5litepod|v6e)-", accelerator_type)
+  if not match:
+    return None
+  return "v5e" if match.group(1) == "v5litepod" else match.group(1)
+
+
+def set_libtpu_flags(environ: dict[str, str], tpu_present: bool) -> str | None:
+  """On a TPU host, put the chip's flags into `environ` (before jax starts the TPU backend); returns what it did."""
+  if not tpu_present:
+    return None
+  family = family_of_accelerator(environ.get("TPU_ACCELERATOR_TYPE", ""))
+  if family is None and "LIBTPU_INIT_ARGS" not in environ:
+    return "TPU chip generation unknown (no TPU_ACCELERATOR_TYPE): no default XLA flags set"
+  environ["LIBTPU_INIT_ARGS"], source = libtpu_init_args(family or "", environ)
+  return f"XLA flags ({source}): {environ['LIBTPU_INIT_ARGS'] or '(none)'}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
   name: str

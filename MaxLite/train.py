@@ -19,7 +19,7 @@ from collections.abc import Sequence  # noqa: E402
 
 from absl import logging
 
-from MaxLite import cli, derived, paths, run_lock
+from MaxLite import cli, derived, paths, run_lock, topologies
 from MaxLite import config as config_lib
 from MaxLite.launch import distributed, preflight
 
@@ -54,6 +54,9 @@ def run(argv: Sequence[str]) -> None:
   raw = config_lib.load_raw(argv)
   tpu_present = distributed.tpu_chips_present()
   preflight.check_tpu_support(os.environ, tpu_present)
+  flags = topologies.set_libtpu_flags(os.environ, tpu_present)  # before jax opens the TPU
+  if flags:
+    logging.info(flags)
   if distributed.initialize(raw):
     distributed.shared_run_name(raw)
   config = config_lib.Config(derived.validate_and_derive(raw))

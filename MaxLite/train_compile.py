@@ -44,6 +44,8 @@ def prepare_backend(target: topologies.Target, repo: str | None = None, dump_dir
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + buffer_report.dump_flags(dump_dir, "train_step")
   if libtpu is not None:
     os.environ["TPU_LIBRARY_PATH"] = libtpu
+    os.environ["LIBTPU_INIT_ARGS"], source = topologies.libtpu_init_args(target.chip.family, os.environ)
+    os.environ["MAXLITE_LIBTPU_FLAGS_SOURCE"] = source  # for the report
     # Without these, libtpu probes the cloud metadata server for a local TPU and logs errors when it
     # finds none; compiling for a named topology needs no local TPU.
     for key, value in (
@@ -175,6 +177,10 @@ def report(
     f"  host memory     {_gib(host)} (arguments {_gib(mem.host_argument_size_in_bytes)}, temporaries "
     f"{_gib(mem.host_temp_size_in_bytes)}: host-offloaded state and activations)",
   ]
+  if target.platform == "tpu":
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    source = os.environ.get("MAXLITE_LIBTPU_FLAGS_SOURCE", "LIBTPU_INIT_ARGS from the environment")
+    lines += [f"XLA flags ({source}): {flags or '(none)'}"]
   if buffers:
     lines += ["largest buffers at the memory peak (size, shapes over time <- the ops that made them):"]
     lines += buffer_report.format_buffers(list(buffers), _gib)

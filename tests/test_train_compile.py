@@ -78,6 +78,28 @@ def test_tiny_on_v5p_8_fits(slices, mesh):
   assert f"compiled train step for v5p-8 x {slices} slice(s) ({4 * slices} devices, {mesh})" in proc.stdout
   assert "HBM per device: 95.00 GiB -> fits" in proc.stdout
   assert "roofline step time at the v5p bf16 peak (459 TFLOP/s)" in proc.stdout
+  flags = " ".join(topologies.LIBTPU_FLAGS["v5p"])
+  assert f"XLA flags (MaxLite's v5p defaults (topologies.LIBTPU_FLAGS)): {flags}" in proc.stdout
+
+
+@needs_libtpu
+def test_a_users_libtpu_init_args_win_and_are_reported():
+  env = dict(os.environ, LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=false")
+  proc = _compile("model_name=tiny", "compile_topology=v5e-16", env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "XLA flags (LIBTPU_INIT_ARGS from the environment): --xla_enable_async_all_gather=false" in proc.stdout
+
+
+def test_libtpu_flags_are_set_only_on_a_tpu_host_and_by_its_chip():
+  assert topologies.set_libtpu_flags({"TPU_ACCELERATOR_TYPE": "v5p-128"}, tpu_present=False) is None
+  env = {"TPU_ACCELERATOR_TYPE": "v5litepod-256"}
+  assert "v5e defaults" in topologies.set_libtpu_flags(env, tpu_present=True)
+  assert env["LIBTPU_INIT_ARGS"] == " ".join(topologies.LIBTPU_FLAGS["v5e"])
+  own = {"TPU_ACCELERATOR_TYPE": "v5p-8", "LIBTPU_INIT_ARGS": "--mine=1"}
+  topologies.set_libtpu_flags(own, tpu_present=True)
+  assert own["LIBTPU_INIT_ARGS"] == "--mine=1"
+  unknown = {}
+  assert "unknown" in topologies.set_libtpu_flags(unknown, tpu_present=True) and "LIBTPU_INIT_ARGS" not in unknown
 
 
 @needs_libtpu

@@ -127,12 +127,12 @@ class _TrainStep:
 
 
 def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any) -> _TrainStep:
-  def step(params: Any, rest: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+  def split_train_step(params: Any, rest: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     return train_step(rest.replace(params=params), batch, config=config, shardings=state_shardings)
 
   return _TrainStep(
     jax.jit(
-      step,
+      split_train_step,  # its name must hold "train_step": train_compile dumps the module by that name
       in_shardings=(state_shardings.params, state_shardings.replace(params=None), batch_sharding),
       out_shardings=(state_shardings, replicated),
       donate_argnums=1,
