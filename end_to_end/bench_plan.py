@@ -2,15 +2,16 @@
 
   python end_to_end/bench_plan.py [--budget_s 300] [--rows v5p-32b,v5e-16b,...] [--workers 2]
 
-For each row: (a) the prediction for MaxText's own recipe (the keys of its configs/tpu/<chip>/<size>.sh translated
-to MaxLite's: the same model shape, slice, per-device batch, remat policy, mesh, flash attention, bf16 activations
-and float32 weights), and (b) plan.py's own pick on the same slice and sequence length within --budget_s. Results
-come from plan.py's cache when it has them. Both use MaxLite's model FLOPs (causal attention counted at half).
+For each row: (a) the prediction for MaxText's own recipe (configs/tpu/<chip>/<size>.yml: the keys of MaxText's
+configs/<chip>/<size>.sh in MaxLite's names, its published MFU in a `# published_mfu:` line), and (b) plan.py's
+own pick on the same slice and sequence length within --budget_s. Results come from plan.py's cache when it has
+them. Both use MaxLite's model FLOPs (causal attention counted at half).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import subprocess
@@ -18,25 +19,28 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# row: (slice, model, recipe keys, published MFU %) from MaxText's configs/tpu/v5p/README.md and v5e/README.md.
-COMMON = ["max_target_length=2048", "dtype=bfloat16", "weight_dtype=float32", "attention=splash"]
-MINIMAL, FULL = "remat_policy=minimal", "remat_policy=full"
-ROWS = {
-  "v5p-32b": ("v5p-128", "maxtext-32b", ["per_device_batch_size=6", MINIMAL, "ici_tensor_parallelism=4"], 71.47),
-  "v5p-64b": ("v5p-128", "maxtext-64b", ["per_device_batch_size=3", MINIMAL, "ici_tensor_parallelism=4"], 70.31),
-  "v5p-128b": ("v5p-256", "maxtext-128b", ["per_device_batch_size=1", MINIMAL, "ici_tensor_parallelism=8"], 68.68),
-  "v5e-16b": ("v5e-256", "maxtext-16b", ["per_device_batch_size=6", FULL], 61.10),
-  "v5e-32b": ("v5e-256", "maxtext-32b", ["per_device_batch_size=4", FULL], 66.86),
-  "v5e-64b": ("v5e-256", "maxtext-64b", ["per_device_batch_size=2", FULL], 59.90),
-  "v5e-128b": (
-    "v5e-256",
-    "maxtext-128b",
-    ["per_device_batch_size=1", "remat_policy=qkv_proj_offloaded"]
-    + ["ici_fsdp_parallelism=16", "ici_tensor_parallelism=16"],
-    56.06,
-  ),
-}
+RECIPES = os.path.join(REPO, "configs", "tpu")
+
+
+def _value(v: object) -> str:
+  return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def recipe_rows() -> dict[str, tuple[str, str, list[str], float]]:
+  """row name (v5p-32b, ...) -> (slice, model, the recipe's other keys, published MFU %), from configs/tpu/<chip>/."""
+  rows = {}
+  for path in sorted(glob.glob(os.path.join(RECIPES, "*", "*.yml"))):
+    with open(path) as f:
+      text = f.read()
+    data = yaml.safe_load(text)
+    published = float(re.search(r"^# published_mfu: ([\d.]+)", text, re.M).group(1))
+    keys = [f"{k}={_value(v)}" for k, v in data.items() if k not in ("base_config", "model_name", "compile_topology")]
+    chip, size = path.split(os.sep)[-2], os.path.basename(path)[: -len(".yml")]
+    rows[f"{chip}-{size}"] = (data["compile_topology"], data["model_name"], keys, published)
+  return rows
 
 
 def plan(yml: str, args: list[str], budget: float, workers: int) -> tuple[str, float]:
@@ -58,7 +62,7 @@ def recipe_file(keys: list[str], batch: float) -> str:
   """MaxText's recipe as a config file: its keys are the baseline plan.py compiles first, not pins."""
   path = os.path.join(tempfile.mkdtemp(prefix="maxtext_recipe_"), "recipe.yml")
   lines = [f"base_config: {os.path.join(REPO, 'configs', 'base.yml')}"]
-  lines += [k.replace("=", ": ", 1) for k in [*COMMON, *keys] if not k.startswith("per_device_batch_size")]
+  lines += [k.replace("=", ": ", 1) for k in keys if not k.startswith("per_device_batch_size")]
   lines += [
     f"per_device_batch_size: {batch:g}",
     "ici_fsdp_parallelism: -1" if not any("fsdp" in k for k in keys) else "",
@@ -72,18 +76,18 @@ def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--budget_s", type=float, default=300)
   p.add_argument("--workers", type=int, default=2)
-  p.add_argument("--rows", default=",".join(ROWS))
+  p.add_argument("--rows", default=",".join(recipe_rows()))
   args = p.parse_args()
   lines = [
     "| row | slice | published MFU | recipe batch | predicted for the recipe | plan.py's pick | predicted | seconds |",
     "|---|---|---|---|---|---|---|---|",
   ]
   for name in args.rows.split(","):
-    topology, model, recipe, published = ROWS[name]
+    topology, model, recipe, published = recipe_rows()[name]
     batch = float(next(k for k in recipe if k.startswith("per_device_batch_size")).split("=")[1])
     seconds, note, where = 0.0, "", [f"model_name={model}", f"compile_topology={topology}"]
     while True:  # the recipe as one pinned plan: its batch, else the largest smaller one that fits MaxLite
-      pins = [*COMMON, *[k for k in recipe if not k.startswith("per_device")], f"per_device_batch_size={batch:g}"]
+      pins = [*[k for k in recipe if not k.startswith("per_device")], f"per_device_batch_size={batch:g}"]
       pins += [] if any("fsdp" in k for k in recipe) else ["ici_fsdp_parallelism=-1"]
       pins += [] if any("tensor" in k for k in recipe) else ["ici_tensor_parallelism=1"]
       pins += ["ici_data_parallelism=1", "ici_sequence_parallelism=1", "ici_pipeline_parallelism=1"]

@@ -1,11 +1,13 @@
 """Config loading: inheritance, overlays, typed overrides, validation errors, derived values."""
 
+import glob
 import os
+import re
 
 import pytest
-from conftest import BASE_YML, make_config, run_train_cli
+from conftest import BASE_YML, REPO, make_config, run_train_cli
 
-from MaxLite.config import available_models, load_config
+from MaxLite.config import available_models, load_config, load_raw
 from MaxLite.errors import ConfigError
 
 
@@ -212,3 +214,15 @@ def test_maxtext_style_command_trains_with_maxtext_key_names(tmp_path):
   assert "warning:" not in proc.stderr
   assert sorted(os.listdir(tmp_path / "mt" / "checkpoints")) == ["3"]
   assert "MiB per device" in proc.stdout  # the debug_sharding report
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO, "configs", "tpu", "*", "*.yml"))))
+def test_shipped_maxtext_recipes_load_for_their_slice(recipe):
+  from MaxLite import topologies
+
+  raw = load_raw([recipe])
+  target = topologies.parse(raw["compile_topology"])
+  config = load_config([recipe], num_devices=target.num_devices, num_slices=1, process_count=1)
+  assert config.model_name.startswith("maxtext-") and config.max_target_length == 2048
+  with open(recipe) as f:
+    assert re.search(r"^# published_mfu: \d+\.\d+$", f.read(), re.M)
