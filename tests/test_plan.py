@@ -1,6 +1,7 @@
 """plan.py: the compiled-HLO cost reader, the performance model's order against measured steps, the search
 (pins kept, plans that do not fit never ranked, the cache), and one-line errors for impossible requests."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import REPO, first_devices
 
+from MaxLite import topologies
 from MaxLite.planning import hlo_costs, perf_model
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
@@ -164,3 +166,27 @@ def test_predicted_order_of_clearly_separated_plans_is_the_measured_order(tmp_pa
   print(f"predicted {predicted}, measured {measured}")
   assert predicted["fast"] > 1.5 * predicted["slow"]  # clearly separated
   assert measured["fast"] > measured["slow"]
+
+
+@pytest.mark.parametrize("opcode", ["all-gather", "all-gather-start"])
+def test_a_combined_all_gather_moves_every_array_it_gathers(opcode):
+  """Two arrays gathered in one op over 4 devices: each device sends 3/4 of both results, not of the larger one."""
+  shapes = {"a": "bf16[256,128]", "b": "f32[64,64]"}
+  result = "(bf16[1024,128], f32[256,64])"
+  if opcode.endswith("-start"):
+    result = f"((bf16[256,128], f32[64,64]), {result})"
+  instr = hlo_costs._Instr("ag", result, opcode, ["a", "b"], "")
+  gathered = 1024 * 128 * 2 + 256 * 64 * 4
+  assert hlo_costs._moved_bytes("all-gather", instr, shapes, 4) == pytest.approx(gathered * 3 / 4)
+  reduce = hlo_costs._Instr("rs", "(bf16[64,128], f32[16,64])", "reduce-scatter", ["a", "b"], "")
+  operands = 256 * 128 * 2 + 64 * 64 * 4
+  assert hlo_costs._moved_bytes("reduce-scatter", reduce, shapes, 4) == pytest.approx(operands * 3 / 4)
+
+
+def test_a_collective_without_named_axes_is_costed_by_its_group():
+  chip = topologies.CHIPS["v5p"]  # a 3D torus: a group spanning all three dimensions gets three times the links
+  net = perf_model.Interconnect(chip, (4, 4, 4), {"fsdp": 64}, {})
+  named = hlo_costs.Op("a", "all-gather", "main", 1.0, collective="all-gather", moved_bytes=1e9, group_size=64)
+  unnamed = dataclasses.replace(named, axes=())
+  named = dataclasses.replace(named, axes=("fsdp",))
+  assert net.seconds(unnamed) == pytest.approx(net.seconds(named))

@@ -69,10 +69,6 @@ def array_bytes(shape: str) -> int:
   return sum(BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
 
 
-def _largest_array_bytes(shape: str) -> int:
-  sizes = [BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape)]
-  return max(sizes, default=0)
-
 
 def _dims(shape: str) -> list[int]:
   found = _ARRAY.search(shape)
@@ -408,13 +404,17 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
 
 
 def _moved_bytes(kind: str, instr: _Instr, shapes: dict[str, str], n: int) -> float:
-  """Bytes one device sends in a ring (bandwidth-optimal) implementation of the collective."""
-  operand = sum(_largest_array_bytes(shapes.get(o, "")) for o in instr.operands)
+  """Bytes one device sends in a ring (bandwidth-optimal) implementation of the collective. A combined collective
+  (several arrays in one op, a tuple) moves all of them."""
+  operand = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
   if n <= 1:
     return 0.0
   share = (n - 1) / n
   if kind == "all-gather":
-    return _largest_array_bytes(instr.shape) * share
+    gathered = array_bytes(instr.shape)
+    if instr.opcode.endswith("-start"):  # an async start's result holds its operands as well as the gathered arrays
+      gathered -= operand
+    return gathered * share
   if kind == "all-reduce":
     return 2.0 * operand * share
   if kind in ("reduce-scatter", "all-to-all"):

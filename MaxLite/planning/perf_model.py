@@ -72,7 +72,9 @@ class Interconnect:
       return COLLECTIVE_LATENCY_S if op.collective else 0.0
     if self.crosses_slices(op):
       return COLLECTIVE_LATENCY_S + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
-    within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) or op.group_size
+    # A collective whose replica groups named no mesh axes is costed by its group size (an empty product is 1,
+    # which would price it as a collective over one chip).
+    within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) if op.axes else op.group_size
     return COLLECTIVE_LATENCY_S + op.moved_bytes / self.send_bandwidth(within)
 
   def send_bandwidth(self, group: int) -> float:
