@@ -31,6 +31,7 @@ from absl import flags
 from MaxLite import cli, topologies
 from MaxLite import config as config_lib
 from MaxLite.errors import ConfigError
+from MaxLite.layers import remat
 from MaxLite.planning import candidates, perf_model, search
 
 _EXPLAIN = flags.DEFINE_integer("explain", 0, "print the time and memory breakdown of plan N of the table")
@@ -109,7 +110,16 @@ def describe(plan: candidates.Candidate) -> str:
   accumulate = f" x{c['gradient_accumulation_steps']}acc" if c["gradient_accumulation_steps"] > 1 else ""
   micro = f" mb{c['num_pipeline_microbatches']}" if c["num_pipeline_stages"] > 1 else ""
   batch = f"b{c['per_device_batch_size']:g}{accumulate}{micro}"
-  return f"{mesh or 'single'} | {c['remat_policy']} | {c['attention_kernel']} | {batch}"
+  return f"{mesh or 'single'} | {remat_label(c)} | {c['attention_kernel']} | {batch}"
+
+
+def remat_label(c: dict) -> str:
+  """remat_policy, and for `custom` what it keeps where: custom(device: query_proj; offload: decoder_layer_input)."""
+  if c["remat_policy"] != "custom":
+    return c["remat_policy"]
+  kept = remat.placement(c)
+  parts = [f"{where}: {', '.join(names)}" for where, names in (("device", kept.on_device), ("offload", kept.offloaded))]
+  return f"custom({'; '.join(p for p, names in zip(parts, kept) if names)})"
 
 
 def table(ranked: list[tuple[int, search.Result]], target: topologies.Target) -> str:

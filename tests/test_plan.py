@@ -93,7 +93,7 @@ def _ranked_rows(stdout):
 
 
 def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_path):
-  hbm_gib = 0.02  # small enough that the largest batches do not fit
+  hbm_gib = 0.03  # small enough that the largest batches do not fit
   args = ["model_name=tiny", "compile_topology=cpu-8", "max_target_length=64", "ici_tensor_parallelism=2"]
   args += ["ici_data_parallelism=1", "ici_sequence_parallelism=1", "ici_pipeline_parallelism=1"]  # batch is searched
   args += ["remat_policy=full", f"plan_hbm_gib={hbm_gib}", "plan_time_budget_s=300", "plan_workers=1"]

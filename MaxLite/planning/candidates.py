@@ -34,6 +34,12 @@ RECOMPUTE = {
   "full": 4 / 3,
 }
 REMAT_SEARCHED = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "qkv_proj_offloaded", "minimal_offloaded")
+# remat_policy=custom choices worth a compile: full rematerialisation with the layer inputs (what `full` keeps) in host
+# memory instead of HBM, alone or with q/k/v kept on the device.
+CUSTOM_SEARCHED = (
+  {"decoder_layer_input": "offload"},
+  {"decoder_layer_input": "offload", "query_proj": "device", "key_proj": "device", "value_proj": "device"},
+)
 BATCHES = (0.5, 1, 2, 4, 8, 16, 32)
 MESH_KEYS = {axis: f"ici_{derived.AXIS_KEY[axis]}_parallelism" for axis in derived.MESH_AXES}
 
@@ -80,9 +86,11 @@ def layouts(raw: dict[str, Any], devices: int, pinned: set[str]) -> list[dict[st
 
 def enumerate_plans(raw: dict[str, Any], target: Target, num_slices: int, pinned: set[str]) -> list[Candidate]:
   devices = target.num_devices
-  remats = [raw["remat_policy"]] if "remat_policy" in pinned else list(REMAT_SEARCHED)
-  if target.platform != "tpu":
-    remats = [r for r in remats if "offloaded" not in r or "remat_policy" in pinned]
+  remats = [{"remat_policy": r} for r in REMAT_SEARCHED] + [{"remat_policy": "custom", **c} for c in CUSTOM_SEARCHED]
+  if "remat_policy" in pinned:
+    remats = [{"remat_policy": raw["remat_policy"]}]
+  elif target.platform != "tpu":  # host offload is a TPU (and GPU) memory space
+    remats = [r for r in remats if "offload" not in str(r.values())]
   attentions = [raw["attention"]] if "attention" in pinned or target.platform != "tpu" else ["splash", "dot_product"]
   global_batch = raw["plan_global_batch_size"]
   if "per_device_batch_size" in pinned:
@@ -97,7 +105,7 @@ def enumerate_plans(raw: dict[str, Any], target: Target, num_slices: int, pinned
     layouts(raw, devices, pinned), remats, attentions, batches
   ):
     overrides = {MESH_KEYS[a]: n for a, n in mesh.items()}
-    overrides.update(remat_policy=remat, attention=attention, per_device_batch_size=batch)
+    overrides.update(remat, attention=attention, per_device_batch_size=batch)
     overrides["gradient_accumulation_steps"] = accumulation
     if mesh["stage"] > 1:
       for microbatches in (mesh["stage"], 2 * mesh["stage"]):
@@ -128,16 +136,22 @@ def memory_lower_bound(c: dict[str, Any]) -> float:
   weight = 2 if c["weight_dtype"] == "bfloat16" else 4
   act = 2 if c["dtype"] == "bfloat16" else 4
   mesh = dict(zip(derived.MESH_AXES, c["mesh_shape"]))
-  state = c["num_params"] * weight * 4 / (c["num_devices"] / mesh["data"])
+  # params, two AdamW moments and the gradients; what host offload keeps off the device between steps is left out,
+  # so the bound stays below what the compiler can achieve
+  copies = 4 - c["parameter_memory_host_offload"] - 2 * c["optimizer_memory_host_offload"]
+  state = c["num_params"] * weight * copies / (c["num_devices"] / mesh["data"])
   # tokens on one device: the batch splits over data x fsdp x expert, the sequence over sequence
   tokens = c["micro_batch_size"] * c["max_target_length"] / math.prod(mesh[a] for a in ("data", "fsdp", "expert"))
   emb, q, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
-  per_token = {  # values a layer keeps per token under each policy (the layer input always)
-    "full": emb,
-    "save_qkv_proj": emb + (q + 2 * kv) * hd / mesh["tensor"],
-    "save_dot_except_mlp": emb + (2 * q + 2 * kv) * hd / mesh["tensor"],
-    "minimal": emb + ((2 * q + 2 * kv) * hd + 2 * c["base_mlp_dim"]) / mesh["tensor"] + emb,
-  }.get(c["remat_policy"], emb)
+  tp = mesh["tensor"]  # the residual stream (activation_embed) is split over tensor too
+  per_token = {  # values a layer keeps per token on the device under each policy (the layer input always)
+    "full": emb / tp,
+    "save_qkv_proj": (emb + (q + 2 * kv) * hd) / tp,
+    "save_dot_except_mlp": (2 * emb + (q + 2 * kv) * hd) / tp,
+    "minimal": (2 * emb + (q + 2 * kv) * hd + 2 * c["base_mlp_dim"]) / tp,
+  }.get(c["remat_policy"], emb / tp)
+  if c["remat_policy"] == "custom" and c["decoder_layer_input"] == "offload":
+    per_token = 0.0
   layers = c["base_num_decoder_layers"] / mesh["stage"]
   return state + layers * tokens / mesh["sequence"] * per_token * act
 
