@@ -112,3 +112,32 @@ def format_buffers(buffers: list[Buffer], gib: Callable[[float], str]) -> list[s
     made_by = f"  <- {'; '.join(b.ops[:2])}" if b.ops else ""
     lines.append(f"  {gib(b.size):>10}  {b.shapes}{made_by}")
   return lines
+
+
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def shrink_hints(buffers: list[Buffer], layers: int, vocab: int, seq: int, attention: str) -> list[str]:
+  """For a config that does not fit: which keys would shrink each kind of large buffer, judged from the buffers'
+  shapes and the ops that made them (largest buffers first, one line per kind)."""
+  hints: dict[str, str] = {}
+  for b in buffers:
+    dims = [[int(d) for d in found.split(",") if d] for _, found in _SHAPE.findall(b.shapes)]
+    dtypes = {t for t, _ in _SHAPE.findall(b.shapes)}
+    backward = bool(b.ops) and b.ops[0].startswith("backward")  # the first value placed there: what it is for
+    stacked = any(d and d[0] == layers for d in dims)
+    if attention != "splash" and any(len(d) >= 4 and d[-1] == d[-2] == seq and d[0] != layers for d in dims):
+      hints.setdefault("scores", "attention=splash (never holds the [seq, seq] attention scores)")
+    elif any(vocab in d for d in dims) and "f32" in dtypes:
+      hints.setdefault("logits", "num_vocab_tiling=N (the float32 logits a chunk of tokens at a time)")
+    elif stacked and not backward and dtypes <= {"bf16", "f32"}:
+      hints.setdefault(
+        "saved",
+        "remat_policy=full, or remat_policy=custom decoder_layer_input=offload (the activations each layer keeps for "
+        "the backward pass); per_device_batch_size or max_target_length",
+      )
+    elif stacked and backward and "f32" in dtypes:
+      hints.setdefault(
+        "gradients", "more ici_fsdp_parallelism (splits the weights' gradients and optimizer state further)"
+      )
+  return list(hints.values())

@@ -184,6 +184,15 @@ def report(
   if buffers:
     lines += ["largest buffers at the memory peak (size, shapes over time <- the ops that made them):"]
     lines += buffer_report.format_buffers(list(buffers), _gib)
+  if buffers and target.chip is not None and needed > target.chip.hbm_bytes:
+    hints = buffer_report.shrink_hints(
+      list(buffers),
+      config.base_num_decoder_layers,
+      config.vocab_size,
+      config.max_target_length,
+      config.attention_kernel,
+    )
+    lines += ["keys that would shrink the largest buffers:", *[f"  {h}" for h in hints]]
   lines += [
     f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
     "(compiled includes rematerialisation and non-matmul work"
@@ -252,9 +261,14 @@ def _compile_and_report(
     oom = out_of_memory(str(e))
     if oom is None:
       raise
+    state = state_bytes["params"] + state_bytes["optimizer"]
+    if target.chip is not None and state > target.chip.hbm_bytes / 2:
+      hint = "more ici_fsdp_parallelism, parameter_memory_host_offload / optimizer_memory_host_offload=true"
+    else:
+      hint = "remat_policy (full, or custom with decoder_layer_input=offload), per_device_batch_size, num_vocab_tiling"
     print(
       f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])} + optimizer state "
-      f"{_gib(state_bytes['optimizer'])} per device\n{oom}",
+      f"{_gib(state_bytes['optimizer'])} per device\n{oom}\nkeys that would shrink it: {hint}",
       flush=True,
     )
     return DOES_NOT_FIT

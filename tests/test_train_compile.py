@@ -122,6 +122,22 @@ def test_oversized_config_on_v5p_8_exits_non_zero_with_the_shortfall():
   assert re.search(
     r"DOES NOT FIT: needs [\d.]+ GiB per device, [\d.]+ GiB available; short by [\d.]+ GiB", proc.stdout
   ), proc.stdout
+  # the weights and Adam state are what does not fit, so the keys that split or move them are named
+  assert "keys that would shrink it: more ici_fsdp_parallelism, parameter_memory_host_offload" in proc.stdout
+
+
+def test_shrink_hints_name_the_keys_for_each_kind_of_large_buffer():
+  """Buffers as train_compile read them from XLA's report for llama2-7b on v5e-16 (4 x 4096, remat full)."""
+  from MaxLite.buffer_report import Buffer, shrink_hints
+
+  saved = Buffer(4 << 30, "bf16[32000,4096], 5×bf16[32,4,4096,4096]", ("decoder/while/body/dynamic_update_slice",))
+  logits = Buffer(2 << 30, "bf16[4,4096,11008], f32[4,4096,32000]", ("logits_dense/dot_general",))
+  grads = Buffer(344 << 20, "5×f32[32,11008,256]", ("backward: decoder/while/body/dynamic_update_slice",))
+  scores = Buffer(1 << 30, "f32[4,8,4,4096,4096]", ("decoder/while/body/attention/einsum",))
+  hints = shrink_hints([saved, logits, grads, scores], layers=32, vocab=32000, seq=4096, attention="dot_product")
+  assert [h.split(" ")[0] for h in hints] == ["remat_policy=full,", "num_vocab_tiling=N", "more", "attention=splash"]
+  # splash never holds scores; a [layers, batch, seq, emb] stack with emb == seq is the saved inputs, not scores
+  assert not any("attention" in h for h in shrink_hints([saved, scores], 32, 32000, 4096, "splash"))
 
 
 @pytest.mark.parametrize(
