@@ -69,7 +69,6 @@ def array_bytes(shape: str) -> int:
   return sum(BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
 
 
-
 def _dims(shape: str) -> list[int]:
   found = _ARRAY.search(shape)
   return [int(d) for d in found.group(2).split(",") if d] if found else []

@@ -108,13 +108,13 @@ def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config, shard
 
 
 class _TrainStep:
-  """The jitted step with the optimizer state donated and the parameters not.
+  """The jitted step with the optimizer state donated, and the parameters only with donate_params=true.
 
-  Measured with train_compile.py on TPU targets: donating the parameters as well (so the new ones overwrite them in
-  place) costs more device memory than it saves. Parameters donated to the step are also read by the scanned layer
-  loops, and XLA then keeps several times their size in extra temporaries (llama2-7b on v5p-8, 2 x 8192: 39.16 GiB
-  with everything donated, 36.76 GiB with the optimizer state only; MaxText's 32B-64B v5p recipes 1.9-2.3 GiB less).
-  A fresh buffer for the new parameters is the cheaper of the two."""
+  Measured with train_compile.py on TPU targets, donating the parameters too (the new ones overwrite them in place)
+  often costs more device memory than it saves: parameters donated to the step are also read by the scanned layer
+  loops, and XLA then keeps more temporaries than a fresh buffer for the new parameters takes (llama2-7b on v5p-8,
+  2 x 8192: 39.16 GiB donated, 36.76 GiB not; MaxText's v5p 32B-128B recipes 2.3-3.6 GiB less). Not always: llama3-8b
+  (1 x 8192, 7.5 GiB of parameters per device) needs 38.13 GiB donated and 40.77 GiB not."""
 
   def __init__(self, jitted: Any):
     self._jitted = jitted
@@ -135,7 +135,7 @@ def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, re
       split_train_step,  # its name must hold "train_step": train_compile dumps the module by that name
       in_shardings=(state_shardings.params, state_shardings.replace(params=None), batch_sharding),
       out_shardings=(state_shardings, replicated),
-      donate_argnums=1,
+      donate_argnums=(0, 1) if config.donate_params else 1,
     )
   )
 
