@@ -208,7 +208,7 @@ def test_no_recompilation_after_the_first_step(tmp_path):
       )
   finally:
     logger.removeHandler(handler)
-  assert handler.names.count("jit(train_step)") == 1, handler.names
+  assert handler.names.count("jit(split_train_step)") == 1, handler.names
   assert handler.names.count("jit(eval_step)") == 1, handler.names
 
 
