@@ -151,3 +151,9 @@ def test_bfloat16_activations_keep_float32_weights():
     {"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
   )
   assert logits.dtype == jnp.float32  # the head accumulates bfloat16 matmul inputs into float32 logits
+  in_dtype = make_config("model_name=tiny", "dtype=bfloat16", "weight_dtype=float32", "logits_dot_in_fp32=false")
+  rounded = Transformer(in_dtype).apply(
+    {"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
+  )
+  assert rounded.dtype == jnp.bfloat16  # MaxText's default: logits in the activation dtype, the loss casts them
+  np.testing.assert_allclose(rounded.astype(jnp.float32), logits, rtol=2e-2, atol=2e-2)  # the same up to rounding

@@ -35,5 +35,6 @@ class Embed(nn.Module):
     table = nn.with_logical_constraint(jnp.asarray(self.embedding, self.dtype), ("vocab", None))
     return jnp.take(table, ids, axis=0)
 
-  def attend(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum("bse,ve->bsv", x, jnp.asarray(self.embedding, self.dtype), preferred_element_type=jnp.float32)
+  def attend(self, x: jax.Array, logits_dtype: DType | None = jnp.float32) -> jax.Array:
+    table = jnp.asarray(self.embedding, self.dtype)
+    return jnp.einsum("bse,ve->bsv", x, table, preferred_element_type=logits_dtype)

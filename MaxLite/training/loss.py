@@ -9,6 +9,8 @@ data from another device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -33,9 +35,11 @@ def tiled_loss_sums(
   mask: jax.Array,
   z_loss_multiplier: float,
   num_tiles: int,
+  logits_dtype: Any = jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
   """loss_sums(hidden @ head, ...) without the whole logits: hidden [b, s, e], head [e, vocab] in the weight dtype
-  (cast to hidden's dtype chunk by chunk, so its gradient adds up over the chunks in the weight dtype)."""
+  (cast to hidden's dtype chunk by chunk, so its gradient adds up over the chunks in the weight dtype); logits_dtype as
+  the head's matmul returns them (None: hidden's dtype; the loss itself is float32 either way)."""
   b, s = targets.shape
 
   def strided_chunks(x: jax.Array) -> jax.Array:  # [b, s, ...] -> [n, b, s/n, ...], chunk i = tokens i, i+n, ...
@@ -44,7 +48,7 @@ def tiled_loss_sums(
   @jax.checkpoint  # the backward pass makes each chunk's logits again instead of keeping them
   def chunk_sums(h: jax.Array, t: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits = nn.with_logical_constraint(
-      jnp.einsum("bse,ev->bsv", h, head.astype(h.dtype), preferred_element_type=jnp.float32), LOGITS_AXES
+      jnp.einsum("bse,ev->bsv", h, head.astype(h.dtype), preferred_element_type=logits_dtype), LOGITS_AXES
     )
     return loss_sums(logits, t, m, z_loss_multiplier)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxLite.config import Config
+from MaxLite.layers.decoder import logits_dtype
 from MaxLite.sharding import on_device
 from MaxLite.training import loss
 from MaxLite.training.optimizer import learning_rate_schedule
@@ -34,7 +35,7 @@ def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: 
   if tiled:
     hidden, head = out
     xent_sum, z_sum = loss.tiled_loss_sums(
-      hidden, head, batch["targets"], mask, config.z_loss_multiplier, config.num_vocab_tiling
+      hidden, head, batch["targets"], mask, config.z_loss_multiplier, config.num_vocab_tiling, logits_dtype(config)
     )
   else:
     xent_sum, z_sum = loss.loss_sums(out, batch["targets"], mask, config.z_loss_multiplier)
