@@ -83,7 +83,17 @@ def _pid_alive(pid: Any) -> bool:
     return False
   except PermissionError:  # alive, under another user
     return True
-  return True
+  return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+  """Killed but not yet reaped: a run whose launcher was killed with it waits for init to reap it, seconds in a
+  container, while os.kill(pid, 0) still finds it. It holds nothing: Linux shows it in state Z."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # the state follows the parenthesised command name
+  except (OSError, IndexError):
+    return False
 
 
 def _unwritable(config: Config, path: str, error: BaseException) -> InputError:

@@ -82,6 +82,21 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   assert not lock.exists()
 
 
+def test_a_killed_owner_not_yet_reaped_holds_no_lock(tmp_path):
+  """A SIGKILLed run stays a zombie until its parent reaps it; a restart on the same host must not wait for that."""
+  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    assert run_lock._pid_alive(child.pid)
+    child.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not run_lock._zombie(child.pid):
+      time.sleep(0.01)
+    os.kill(child.pid, 0)  # not reaped yet: the pid still exists
+    assert not run_lock._pid_alive(child.pid)
+  finally:
+    child.wait()
+
+
 def _config(tmp_path, *overrides):
   return make_config(*TINY, f"base_output_directory={tmp_path}", *overrides)
 
