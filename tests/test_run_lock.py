@@ -82,7 +82,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   assert not lock.exists()
 
 
-def test_a_killed_owner_not_yet_reaped_holds_no_lock(tmp_path):
+def test_a_killed_owner_not_yet_reaped_holds_no_lock():
   """A SIGKILLed run stays a zombie until its parent reaps it; a restart on the same host must not wait for that."""
   child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   try:

@@ -35,6 +35,6 @@ class Embed(nn.Module):
     table = nn.with_logical_constraint(jnp.asarray(self.embedding, self.dtype), ("vocab", None))
     return jnp.take(table, ids, axis=0)
 
-  def attend(self, x: jax.Array, logits_dtype: DType | None = jnp.float32) -> jax.Array:
+  def attend(self, x: jax.Array, logits_dtype: DType | None) -> jax.Array:
     table = jnp.asarray(self.embedding, self.dtype)
     return jnp.einsum("bse,ve->bsv", x, table, preferred_element_type=logits_dtype)
