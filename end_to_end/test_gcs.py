@@ -227,30 +227,60 @@ def test_a_save_cut_short_on_gcs_is_never_resumed(gcs, tmp_path):
   assert max(partial) + 2 in _finalized(gcs, "partial")
 
 
-def test_two_processes_share_one_gs_checkpoint_and_resume_bit_for_bit(gcs, tmp_path):
-  args = (
-    *TINY,
-    "enable_tensorboard=false",
-    "per_device_batch_size=1",
-    "ici_fsdp_parallelism=8",
-    "steps=8",
-  )
-  log = str(tmp_path / "launch.log")
-  local = procs.launch_command(2, 4, *args, f"base_output_directory={tmp_path}", "run_name=a")
-  assert procs.run(local, log) == 0, procs.tail(log)
-  straight = procs.losses(procs.metric_rows(str(tmp_path / "a" / "metrics.jsonl")))
+TWO_PROCESSES = (*TINY, "enable_tensorboard=false", "per_device_batch_size=1", "ici_fsdp_parallelism=8", "steps=8")
 
-  remote = (*args, f"base_output_directory=gs://{BUCKET}/runs", "run_name=mp", "enable_checkpointing=true")
+
+@pytest.fixture(scope="module")
+def two_process_losses(tmp_path_factory):
+  """Losses of the uninterrupted 2-process run, on local disk."""
+  tmp = tmp_path_factory.mktemp("two")
+  log = str(tmp / "launch.log")
+  local = procs.launch_command(2, 4, *TWO_PROCESSES, f"base_output_directory={tmp}", "run_name=a")
+  assert procs.run(local, log) == 0, procs.tail(log)
+  return procs.losses(procs.metric_rows(str(tmp / "a" / "metrics.jsonl")))
+
+
+def test_two_processes_share_one_gs_checkpoint_and_resume_bit_for_bit(gcs, tmp_path, two_process_losses):
+  log = str(tmp_path / "launch.log")
+  remote = (*TWO_PROCESSES, f"base_output_directory=gs://{BUCKET}/runs", "run_name=mp", "enable_checkpointing=true")
   command = procs.launch_command(2, 4, *remote, "checkpoint_period=3")
   launcher = _start(gcs, command, log)
   _wait(launcher, log, lambda: 3 in _finalized(gcs, "mp") and max(_logged_steps(log), default=0) >= 5, "step 3 saved")
   procs.kill_group(launcher, signal.SIGKILL)
   assert _run(gcs, command, log) == 0, procs.tail(log)
-  assert _bucket_losses(gcs, "mp") == straight  # bit for bit
+  assert _bucket_losses(gcs, "mp") == two_process_losses  # bit for bit
   with open(log, encoding="utf-8") as f:
     assert f.read().count("resumed from checkpoint at step") == 2  # both processes
   iterators = [n for n in gcs.objects(BUCKET, "runs/mp/checkpoints/8/data_iter/") if n.endswith(".json")]
   assert [os.path.basename(n) for n in iterators] == ["process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, tmp_path, two_process_losses):
+  """Process 1 alone finds step 6 corrupt (both go back to step 3), then alone sees two network errors reading
+  step 7 (retried: both resume from 7). Each process deciding alone would resume them from different steps."""
+  remote = (*TWO_PROCESSES, f"base_output_directory=gs://{BUCKET}/runs", "run_name=fault", "enable_checkpointing=true")
+
+  def run(steps, fault=None):
+    log = str(tmp_path / f"to_{steps}.log")
+    env = dict(_env(gcs), **({"MAXLITE_TEST_CHECKPOINT_READ_FAULT": fault} if fault else {}))
+    command = procs.launch_command(2, 4, *remote, "checkpoint_period=3", f"steps={steps}")
+    proc = subprocess.Popen(command, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      assert proc.wait(timeout=300) == 0, procs.tail(log)
+    except subprocess.TimeoutExpired:
+      procs.kill_group(proc)
+      raise
+    with open(log, encoding="utf-8") as f:
+      return f.read()
+
+  run(6)
+  corrupt = run(7, fault="1:6:corrupt:-1")
+  assert re.search(r"skipping checkpoint step 6 on every process, unreadable on process \[1\]", corrupt), corrupt
+  assert corrupt.count("resumed from checkpoint at step 3") == 2, corrupt
+  flaky = run(8, fault="1:7:transient:2")
+  assert "retry 2 of 4" in flaky and "skipping" not in flaky, flaky
+  assert flaky.count("resumed from checkpoint at step 7") == 2, flaky
+  assert _bucket_losses(gcs, "fault") == two_process_losses  # bit for bit, steps 4-6 run twice
 
 
 @pytest.mark.parametrize(

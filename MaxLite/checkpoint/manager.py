@@ -21,14 +21,10 @@ from absl import logging
 from etils import epath
 
 from MaxLite import paths
-from MaxLite.checkpoint import CONFIG, CONFIG_FILE, DATA_ITER, STATE
+from MaxLite.checkpoint import CONFIG, CONFIG_FILE, DATA_ITER, STATE, agreement
+from MaxLite.checkpoint.reads import UnreadableCheckpointError, read
 from MaxLite.config import Config
 from MaxLite.errors import CheckpointError, InputError, first_line
-
-
-class UnreadableCheckpointError(CheckpointError):
-  """A step's files cannot be read (corrupt, or cut short outside orbax's atomic save): an earlier step may
-  still be good. A step that reads but does not fit the config is a plain CheckpointError."""
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -172,24 +168,51 @@ class Saves:
     return CheckpointError(f"saving checkpoint step {step} to {where} failed ({cause})")
 
 
+_READABLE, _UNREADABLE, _FAILED = 0, 1, 2
+
+
 def restore_newest(
   manager: ocp.CheckpointManager, target: Any, data_iterator: Any, check: Callable[[str], None]
 ) -> tuple[Any, int] | None:
-  """(state, step) of the newest step that can be read (see `restore`); None when there is no step.
+  """(state, step) of the newest step every process can read (see `restore`); None when there is no step.
   `check(step_dir)` runs first on each step tried and raises CheckpointError if it may not be resumed.
 
-  A step whose files cannot be read is skipped with a warning and left on disk as it is, so a corrupt
-  newest step costs the steps since the one before, not every restart. A step that does not fit this
-  config (another model) is still an error: an earlier step of the same run would not fit either."""
+  All processes try the steps process 0 lists, newest first, and agree on each before restoring it: a step
+  that is definitely unreadable on any process (reads.UnreadableCheckpointError) is skipped by all, with a
+  warning on every process, and left on disk as it is, so a corrupt newest step costs the steps since the one
+  before, not every restart. Any other failure on any process (a step that does not fit this config, storage
+  that kept failing) stops every process: an earlier step would not fit either, or would be a wrong resume."""
   skipped: list[str] = []
-  for step in sorted(manager.all_steps(), reverse=True):
+  for step in agreement.process_0s(sorted(manager.all_steps(), reverse=True)):
     step_dir = paths.join(str(manager.directory), str(step))
+    error: CheckpointError | None = None
     try:
-      _read(step_dir, functools.partial(check, step_dir))  # its config file may be what is corrupt
-      return restore(manager, step, target, data_iterator), step
-    except UnreadableCheckpointError as e:
-      logging.warning("skipping checkpoint step %d, resuming from an earlier one: %s", step, e)
-      skipped.append(f"step {step}: {e}")
+      _check_readable(step_dir, target, check)
+    except CheckpointError as e:
+      error = e
+    verdicts = agreement.everyones(
+      _READABLE if error is None else _UNREADABLE if isinstance(error, UnreadableCheckpointError) else _FAILED
+    )
+    if all(v == _READABLE for v in verdicts):
+      try:
+        return restore(manager, step, target, data_iterator), step
+      except UnreadableCheckpointError as e:
+        if len(verdicts) > 1:  # the others wait in orbax's restore barrier: no agreement is possible now
+          raise CheckpointError(
+            f"{e} on process {jax.process_index()} while restoring it; move {step_dir} aside and start again to "
+            "resume every process from the step before"
+          ) from e
+        error = e
+    if _FAILED in verdicts:
+      if error is not None and not isinstance(error, UnreadableCheckpointError):
+        raise error
+      failed = [p for p, v in enumerate(verdicts) if v == _FAILED]
+      raise CheckpointError(f"resuming from checkpoint {step_dir} failed on process {failed} (its log says why)")
+    unreadable = [p for p, v in enumerate(verdicts) if v == _UNREADABLE]
+    where = f" on every process, unreadable on process {unreadable}" if len(verdicts) > 1 else ", unreadable"
+    reason = f": {error}" if error is not None else ""
+    logging.warning("skipping checkpoint step %d%s%s; trying an earlier step", step, where, reason)
+    skipped.append(f"step {step}{': ' + str(error) if error is not None else where}")
   if skipped:
     raise CheckpointError(
       f"no checkpoint in {manager.directory} could be read ({'; '.join(skipped)}); move the step directories "
@@ -198,13 +221,22 @@ def restore_newest(
   return None
 
 
+def _check_readable(step_dir: str, target: Any, check: Callable[[str], None]) -> None:
+  """Reads what a restore of the step reads before the arrays (no collectives, so each process can fail
+  alone and still take part in the agreement): its config, the state's metadata, the iterator files."""
+  read(step_dir, functools.partial(check, step_dir))  # its config file may be what is corrupt
+  check_compatible(paths.join(step_dir, STATE), target)
+  iterators = epath.Path(paths.join(step_dir, DATA_ITER))
+  read(step_dir, lambda: DataIteratorHandler().restore(iterators))
+
+
 def restore(manager: ocp.CheckpointManager, step: int, target: Any, data_iterator: Any) -> Any:
   """The state of `step` placed as `target` says (shapes, dtypes, current-mesh shardings); also
   moves `data_iterator` to where that step left it."""
   step_dir = paths.join(str(manager.directory), str(step))
   check_compatible(paths.join(step_dir, STATE), target)
   args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), DATA_ITER: DataIteratorRestore()})
-  restored = _read(step_dir, lambda: manager.restore(step, args=args))
+  restored = read(step_dir, lambda: manager.restore(step, args=args))
   try:
     data_iterator.set_state(select_iterator_state(restored[DATA_ITER], step_dir))
   except InputError as e:
@@ -243,7 +275,7 @@ def path_name(path: tuple[Any, ...]) -> str:
 
 def saved_arrays(state_dir: str) -> dict[str, Any]:
   """{dotted name: array metadata (shape, dtype)} of a saved state item, without reading arrays."""
-  tree = _read(state_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree)
+  tree = read(state_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree)
   return {path_name(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -324,24 +356,15 @@ def load_params(path: str, target_params: Any) -> Any:
     item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
   )
   with ocp.PyTreeCheckpointer() as checkpointer:
-    return _read(state_dir, lambda: checkpointer.restore(state_dir, args=args))["params"]
+    return read(state_dir, lambda: checkpointer.restore(state_dir, args=args))["params"]
 
 
 def load_full_state(path: str, target: Any) -> Any:
   state_dir = resolve_state_dir(path, "load_full_state_path")
   check_compatible(state_dir, target)
   with ocp.StandardCheckpointer() as checkpointer:
-    return _read(state_dir, lambda: checkpointer.restore(state_dir, target))
+    return read(state_dir, lambda: checkpointer.restore(state_dir, target))
 
 
 def sharded_target(abstract: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
-def _read(where: str, fn: Any) -> Any:
-  try:
-    return fn()
-  except CheckpointError:
-    raise
-  except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-    raise UnreadableCheckpointError(f"checkpoint {where} could not be read ({first_line(e, with_type=True)})") from e

@@ -1,0 +1,121 @@
+"""Reading a checkpoint from storage that can fail for a moment: a transient error (a dropped connection, a
+timeout, HTTP 429 or 5xx) is retried with backoff and never taken for corruption; only a definite one (a missing
+or unparsable file, a step without its commit marker) lets a resume fall back to an earlier step. On a pod a
+network blip seen by one host must not send that host back a step while the others go on.
+
+`MAXLITE_TEST_CHECKPOINT_READ_FAULT=<process>:<step>:<transient|corrupt>:<times>` makes reads of that step fail
+on that process the first `times` times (-1: always). It is a hook for tests, which cannot cut one process's
+network, exposed on purpose; nothing sets it in a run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from absl import logging
+
+from MaxLite.errors import CheckpointError, first_line
+
+T = TypeVar("T")
+
+ATTEMPTS = 5
+FIRST_DELAY_S = 0.5  # doubles after each attempt: 0.5 + 1 + 2 + 4 s before the last one
+FAULT_ENV = "MAXLITE_TEST_CHECKPOINT_READ_FAULT"
+
+# Status names (tensorstore, gRPC) and HTTP codes that say "try again", as libraries put them into messages.
+_TRANSIENT_TEXT = re.compile(
+  r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED)\b"
+  r"|\b(HTTP|status|response code|code)\D{0,20}\b(408|429|5\d\d)\b"
+  r"|\b(timed out|connection (reset|refused|aborted)|temporarily unavailable|service unavailable)\b",
+  re.IGNORECASE,
+)
+
+
+class UnreadableCheckpointError(CheckpointError):
+  """A step's files are definitely bad (missing, unparsable, never committed): an earlier step may be good.
+  A step that reads but does not fit the config is a plain CheckpointError."""
+
+
+class CheckpointReadError(CheckpointError):
+  """A step could not be read for a reason that is not the step's fault (the storage kept failing, or access
+  was denied): resuming from an earlier step would be wrong, so the run stops."""
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def is_transient(error: BaseException) -> bool:
+  """Whether an exception (or one it was raised from) is a storage error that a retry may not see again."""
+  for e in _chain(error):
+    if isinstance(e, (ConnectionError, TimeoutError)):
+      return True
+    code = getattr(e, "code", None)
+    if isinstance(code, int) and (code in (408, 429) or 500 <= code < 600):
+      return True
+    if type(e).__module__.split(".")[0] == "aiohttp":
+      return True
+    if _TRANSIENT_TEXT.search(str(e)):
+      return True
+  return False
+
+
+def _not_the_steps_fault(error: BaseException) -> bool:
+  return is_transient(error) or any(isinstance(e, PermissionError) for e in _chain(error))
+
+
+_injected: dict[str, int] = {}
+
+
+def _inject_fault(where: str) -> None:
+  spec = os.environ.get(FAULT_ENV)
+  if not spec:
+    return
+  import jax
+
+  process, step, kind, times = spec.split(":")
+  if int(process) != jax.process_index() or not re.search(rf"/{int(step)}(/|$)", where):
+    return
+  done = _injected.get(spec, 0)
+  if int(times) >= 0 and done >= int(times):
+    return
+  _injected[spec] = done + 1
+  if kind == "transient":
+    raise ConnectionResetError(f"injected transient fault {done + 1} reading {where} ({FAULT_ENV})")
+  raise ValueError(f"injected corruption reading {where} ({FAULT_ENV})")
+
+
+def read(where: str, fn: Callable[[], T], sleep: Callable[[float], Any] = time.sleep) -> T:
+  """fn(), retried on transient errors; failures become UnreadableCheckpointError (definite) or
+  CheckpointReadError (transient errors that outlasted the retries, or access denied)."""
+  delay = FIRST_DELAY_S
+  for attempt in range(1, ATTEMPTS + 1):
+    try:
+      _inject_fault(where)
+      return fn()
+    except CheckpointError:
+      raise
+    except Exception as e:  # orbax, tensorstore and gcsfs raise many types
+      cause = first_line(e, with_type=True)
+      if is_transient(e) and attempt < ATTEMPTS:
+        logging.warning(
+          "reading checkpoint %s failed (%s); retry %d of %d in %.1fs", where, cause, attempt, ATTEMPTS - 1, delay
+        )
+        sleep(delay)
+        delay *= 2
+        continue
+      if _not_the_steps_fault(e):
+        raise CheckpointReadError(
+          f"checkpoint {where} could not be read after {attempt} attempt(s) ({cause}); not falling back to an "
+          "earlier step for a storage error: check access to the storage and start the run again"
+        ) from e
+      raise UnreadableCheckpointError(f"checkpoint {where} could not be read ({cause})") from e
+  raise AssertionError("unreachable")

@@ -1,0 +1,93 @@
+"""Checkpoint reads: storage errors that pass are retried and never taken for a corrupt step."""
+
+import pytest
+
+from MaxLite.checkpoint import reads
+from MaxLite.checkpoint.reads import CheckpointReadError, UnreadableCheckpointError
+
+
+class _HttpError(Exception):
+  """Shaped like gcsfs's HttpError: the status is in `code`."""
+
+  def __init__(self, code):
+    super().__init__(f"{code}: backend says no")
+    self.code = code
+
+
+def _failing(errors):
+  calls = []
+
+  def fn():
+    calls.append(1)
+    if len(calls) <= len(errors):
+      raise errors[len(calls) - 1]
+    return "state"
+
+  return fn, calls
+
+
+@pytest.mark.parametrize(
+  "error",
+  [
+    ConnectionResetError("peer reset"),
+    TimeoutError("read timed out"),
+    _HttpError(503),
+    _HttpError(429),
+    ValueError('UNAVAILABLE: Error reading "a/b" from GCS'),
+    ValueError("DEADLINE_EXCEEDED: reading gs://bucket/run/checkpoints/6"),
+  ],
+)
+def test_a_transient_error_is_retried_with_backoff_and_the_read_succeeds(error):
+  fn, calls = _failing([error, error])
+  slept = []
+  assert reads.read("gs://b/c/6", fn, sleep=slept.append) == "state"
+  assert len(calls) == 3 and slept == [0.5, 1.0]
+
+
+def test_a_transient_error_wrapped_by_another_library_is_still_transient():
+  try:
+    try:
+      raise ConnectionResetError("reset by peer")
+    except ConnectionResetError as inner:
+      raise RuntimeError("orbax: restore failed") from inner
+  except RuntimeError as outer:
+    assert reads.is_transient(outer)
+
+
+def test_storage_that_keeps_failing_stops_the_run_instead_of_falling_back():
+  fn, calls = _failing([_HttpError(500)] * 10)
+  with pytest.raises(CheckpointReadError, match=r"gs://b/c/6 could not be read after 5 attempt\(s\) .*not falling"):
+    reads.read("gs://b/c/6", fn, sleep=lambda s: None)
+  assert len(calls) == reads.ATTEMPTS
+
+
+def test_denied_access_is_not_corruption_and_is_not_retried():
+  fn, calls = _failing([PermissionError("403 Forbidden")])
+  with pytest.raises(CheckpointReadError):
+    reads.read("gs://b/c/6", fn, sleep=lambda s: None)
+  assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+  "error",
+  [FileNotFoundError("no _METADATA"), ValueError("Expecting value: line 1 column 1"), _HttpError(404), KeyError("x")],
+)
+def test_a_definite_error_is_unreadable_at_once(error):
+  fn, calls = _failing([error])
+  with pytest.raises(UnreadableCheckpointError, match=r"checkpoint /r/checkpoints/6 could not be read"):
+    reads.read("/r/checkpoints/6", fn, sleep=lambda s: None)
+  assert len(calls) == 1
+
+
+def test_the_fault_hook_hits_one_process_and_step_the_given_number_of_times(monkeypatch):
+  monkeypatch.setenv(reads.FAULT_ENV, "0:6:transient:2")
+  monkeypatch.setattr(reads, "_injected", {})
+  slept = []
+  assert reads.read("/r/checkpoints/16", lambda: "other step", sleep=slept.append) == "other step"
+  assert reads.read("/r/checkpoints/6/state", lambda: "six", sleep=slept.append) == "six"
+  assert slept == [0.5, 1.0]
+  monkeypatch.setenv(reads.FAULT_ENV, "0:6:corrupt:-1")
+  with pytest.raises(UnreadableCheckpointError, match="injected corruption"):
+    reads.read("/r/checkpoints/6", lambda: "six", sleep=slept.append)
+  monkeypatch.setenv(reads.FAULT_ENV, "1:6:corrupt:-1")  # another process's fault
+  assert reads.read("/r/checkpoints/6", lambda: "six") == "six"
