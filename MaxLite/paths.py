@@ -13,6 +13,7 @@ ArrayRecord's reader and google-auth get their own names for it from `use_storag
 from __future__ import annotations
 
 import glob as local_glob
+import json
 import logging
 import os
 import posixpath
@@ -179,6 +180,61 @@ def create_new(path: str, text: str) -> None:
     raise FileExistsError(path)
   with fs.open(inner, "xb") as f:
     f.write(text.encode())
+
+
+def _gcs_object(path: str) -> tuple[Any, str, str]:
+  if not path.startswith("gs://"):
+    raise ValueError(f"{path}: object generations exist on gs:// only")
+  fs, inner = _fs(path)
+  bucket, key, _ = fs.split_path(inner)
+  return fs, bucket, key
+
+
+def read_generation(path: str) -> tuple[str, int] | None:
+  """(text, generation) of a gs:// object from one request, None when it does not exist. The generation names
+  this version of the object: a write conditioned on it fails if anyone wrote the object since."""
+  fs, bucket, key = _gcs_object(path)
+  try:
+    headers, body = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
+  except FileNotFoundError:
+    return None
+  return body.decode("utf-8", "replace"), int(headers["X-Goog-Generation"])
+
+
+def replace_generation(path: str, text: str, generation: int) -> int | None:
+  """Overwrites a gs:// object only if it is still at `generation` (ifGenerationMatch): its new generation,
+  or None when another writer got there first."""
+  fs, bucket, key = _gcs_object(path)
+  boundary = "==maxlite=="
+  body = (
+    f"--{boundary}\nContent-Type: application/json; charset=UTF-8\n\n{json.dumps({'name': key})}\n"
+    f"--{boundary}\nContent-Type: application/json\n\n{text}\n--{boundary}--"
+  ).encode()
+  try:
+    reply = fs.call(
+      "POST",
+      f"{fs._location}/upload/storage/v1/b/{bucket}/o",
+      uploadType="multipart",
+      ifGenerationMatch=str(generation),
+      headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+      data=body,
+      json_out=True,
+    )
+  except (FileExistsError, FileNotFoundError):  # gcsfs's names for 412 Precondition Failed and 404
+    return None
+  fs.invalidate_cache(f"{bucket}/{key}")
+  return int(reply["generation"])
+
+
+def remove_generation(path: str, generation: int) -> bool:
+  """Deletes a gs:// object only if it is still at `generation`; whether it did."""
+  fs, bucket, key = _gcs_object(path)
+  try:
+    fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
+  except (FileExistsError, FileNotFoundError):
+    return False
+  fs.invalidate_cache(f"{bucket}/{key}")
+  return True
 
 
 def refresh(path: str) -> None:

@@ -12,11 +12,12 @@ run left behind; the next run takes it over with a warning naming that run. (Lin
 to the server, so runs on different hosts see each other's lock there too.)
 
 gs:// has no locks, and no host can ask whether a process on another host still lives. There the lock
-object is created only if absent (an upload with a does-not-exist precondition, so of two starts at
-once one wins) and its owner rewrites its `heartbeat` time every HEARTBEAT_S seconds. A lock is stale,
-and is replaced with a warning, when its owner ran on this host and that pid is gone, or when its
-heartbeat is older than STALE_AFTER_S: a run killed on another host keeps its directory locked that
-long (delete the lock object to start sooner).
+object is created only if absent (an upload with a does-not-exist precondition, read back, so of two starts at
+once one wins) and its owner rewrites its `heartbeat` time every HEARTBEAT_S seconds, each write conditioned on
+the object's generation from the owner's last write, so it never overwrites a new owner. A lock is stale, and
+is replaced with a warning, when its owner ran on this host and that pid is gone, or when its heartbeat is older
+than STALE_AFTER_S: a run killed on another host keeps its directory locked that long (delete the lock object
+to start sooner). A run that finds its lock taken over stops before its next save, on every process.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from typing import Any
 from absl import logging
 
 from MaxLite import paths
+from MaxLite.checkpoint import agreement
 from MaxLite.config import Config
-from MaxLite.errors import ConfigError, InputError, first_line
+from MaxLite.errors import ConfigError, InputError, MaxLiteError, first_line
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 60.0
@@ -144,6 +146,15 @@ class _LocalLock:
         return fd
       os.close(fd)
 
+  def lost(self) -> str | None:
+    """Why this run no longer holds its lock (its file was deleted or replaced), or None while it does."""
+    try:
+      if os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+        return None
+    except FileNotFoundError:
+      pass
+    return f"this run's lock file {self.path} was deleted or replaced"
+
   def release(self) -> None:
     try:
       os.remove(self.path)  # while still held, so no other run is between our delete and our unlock
@@ -153,13 +164,17 @@ class _LocalLock:
 
 
 class _ObjectLock:
-  """A lock object in a bucket with an owner-refreshed heartbeat (see the module docstring)."""
+  """A lock object in a bucket with an owner-refreshed heartbeat (see the module docstring). Every write after
+  the first is conditioned on the generation this run last wrote, so a heartbeat never overwrites a new
+  owner's lock: it finds it and marks this run's lock as lost."""
 
   def __init__(self, config: Config):
     self.path = lock_path(config)
     self._record = _record()
+    self._mutex = threading.Lock()  # the heartbeat thread and check() both read and write _generation/_lost
+    self._lost: str | None = None
     try:
-      self._take(config)
+      self._generation = self._take(config)
     except (ConfigError, InputError):
       raise
     except Exception as e:  # gcsfs raises HTTP and auth errors of many types for a bucket it cannot write
@@ -168,16 +183,18 @@ class _ObjectLock:
     self._thread = threading.Thread(target=self._beat, name="run_lock_heartbeat", daemon=True)
     self._thread.start()
 
-  def _take(self, config: Config) -> None:
+  def _take(self, config: Config) -> int:
     for _ in range(3):
       try:
         paths.create_new(self.path, json.dumps(self._record))
-        return
       except FileExistsError:
         pass
-      owner = self._read()
-      if owner is None:  # released between our two calls: try again
+      found = paths.read_generation(self.path)
+      if found is None:  # released between our two calls: try again
         continue
+      owner, generation = _parse(found[0]), found[1]
+      if owner.get("token") == self._record["token"]:
+        return generation  # ours (two starts at once: the later upload wins, and the earlier one sees that)
       stale = self._stale_reason(owner)
       if stale is None:
         age = time.time() - owner.get("heartbeat", 0)
@@ -187,15 +204,8 @@ class _ObjectLock:
           f"over; {self.path})"
         )
       logging.warning("%s: taking over the lock of %s: %s", self.path, _owner(owner), stale)
-      paths.remove(self.path)
+      paths.remove_generation(self.path, generation)
     raise ConfigError(f"run directory {config.run_dir}: another run keeps taking its lock ({self.path})")
-
-  def _read(self) -> dict[str, Any] | None:
-    paths.refresh(self.path)
-    try:
-      return _parse(paths.read_text(self.path))
-    except FileNotFoundError:
-      return None
 
   @staticmethod
   def _stale_reason(owner: dict[str, Any]) -> str | None:
@@ -206,26 +216,50 @@ class _ObjectLock:
       return f"no heartbeat for {age:.0f}s (more than {STALE_AFTER_S:.0f}s)"
     return None
 
+  def _taken_by(self) -> str | None:
+    """Who holds the lock if not this run (None: this run does). Caller holds _mutex."""
+    found = paths.read_generation(self.path)
+    if found is None:
+      return "nothing (the lock object was deleted)"
+    owner = _parse(found[0])
+    return None if owner.get("token") == self._record["token"] else _owner(owner)
+
+  def _lose(self, by: str) -> None:
+    self._lost = f"this run's lock {self.path} was taken over by {by}"
+    logging.error("%s; this run stops before its next save", self._lost)
+
   def _beat(self) -> None:
     while not self._stop.wait(HEARTBEAT_S):
-      try:
-        current = self._read()
-        if current is None or current.get("token") != self._record["token"]:
-          by = _owner(current) if current else "nothing (it was deleted)"
-          logging.error("%s: this run's lock was replaced by %s; no longer refreshing it", self.path, by)
+      with self._mutex:
+        if self._lost is not None:
           return
-        self._record["heartbeat"] = time.time()
-        paths.write_text(self.path, json.dumps(self._record))
-      except Exception as e:  # a network hiccup: the next beat tries again, well inside STALE_AFTER_S
-        logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, first_line(e, with_type=True))
+        try:
+          self._record["heartbeat"] = time.time()
+          generation = paths.replace_generation(self.path, json.dumps(self._record), self._generation)
+          if generation is None:  # someone wrote (or deleted) the lock since our last write
+            self._lose(self._taken_by() or "another writer")
+            return
+          self._generation = generation
+        except Exception as e:  # a network hiccup: the next beat tries again, well inside STALE_AFTER_S
+          logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, first_line(e, with_type=True))
+
+  def lost(self) -> str | None:
+    """Why this run no longer holds its lock, or None while it does (asks the bucket)."""
+    with self._mutex:
+      if self._lost is None:
+        by = self._taken_by()
+        if by is not None:
+          self._lose(by)
+      return self._lost
 
   def release(self) -> None:
     self._stop.set()
     self._thread.join()
     try:
-      current = self._read()
-      if current is not None and current.get("token") == self._record["token"]:
-        paths.remove(self.path)
+      with self._mutex:
+        found = paths.read_generation(self.path)
+        if found is not None and _parse(found[0]).get("token") == self._record["token"]:
+          paths.remove_generation(self.path, found[1])
     except Exception as e:
       logging.warning("%s: could not remove the lock (%s)", self.path, first_line(e, with_type=True))
 
@@ -240,9 +274,30 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
   raise SystemExit(128 + signum)
 
 
+class LockLostError(MaxLiteError):
+  """Another run took over this run's directory: this one must not write to it again."""
+
+
+class Guard:
+  """What every process of a job knows about process 0's lock; `before_save` is called on all of them."""
+
+  def __init__(self, lock: _LocalLock | _ObjectLock | None):
+    self._lock = lock  # process 0's; None elsewhere
+
+  def before_save(self, step: int) -> None:
+    """Raises LockLostError on every process when process 0 no longer holds the run's lock."""
+    reason = self._lock.lost() if self._lock is not None else None
+    if agreement.everyones(int(reason is not None))[0]:
+      raise LockLostError(
+        f"{reason or 'process 0 lost the run directory lock (its log names the new owner)'}; "
+        f"stopping without saving step {step}, so the new owner's checkpoints stay as they are"
+      )
+
+
 @contextlib.contextmanager
-def hold(config: Config) -> Iterator[None]:
-  """The run's lock for the duration of the block (process 0 only; other processes run in its job).
+def hold(config: Config) -> Iterator[Guard]:
+  """The run's lock for the duration of the block: process 0 takes it (it writes for the whole job) and every
+  process learns whether it did, so a refused job stops on every process instead of waiting for process 0.
 
   A single process also turns SIGTERM into SystemExit here, so a run stopped before or outside the
   checkpointing loop (which saves on SIGTERM itself) still unwinds and releases the lock. Under
@@ -250,12 +305,21 @@ def hold(config: Config) -> Iterator[None]:
   """
   import jax
 
-  lock = acquire(config) if jax.process_index() == 0 else None
+  lock, refused = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = acquire(config)
+    except MaxLiteError as e:
+      refused = e
+  if agreement.everyones(int(refused is not None))[0]:
+    raise refused or ConfigError(
+      f"run directory {config.run_dir}: process 0 could not take its lock (process 0's log says why)"
+    )
   previous = None
   if not jax.distributed.is_initialized() and threading.current_thread() is threading.main_thread():
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
   try:
-    yield
+    yield Guard(lock)
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)

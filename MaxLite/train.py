@@ -70,8 +70,8 @@ def run(argv: Sequence[str]) -> None:
   logging.info("config:\n%s", summarize(config))
   from MaxLite.training.trainer import train
 
-  with run_lock.hold(config):
-    train(config)
+  with run_lock.hold(config) as guard:
+    train(config, guard=guard)
 
 
 def main() -> None:

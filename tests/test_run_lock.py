@@ -181,3 +181,74 @@ def test_gs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(bucket, caplog)
     assert any(reason in r.getMessage() for r in caplog.records), caplog.text
     assert json.loads(server.read("locks", name))["pid"] == os.getpid()
     lock.release()
+
+
+def _foreign_lock(**fields):
+  record = {"pid": 1, "host": "elsewhere", "started": "then", "heartbeat": time.time(), "token": "x", **fields}
+  return json.dumps(record).encode()
+
+
+def test_gs_lock_writes_only_over_its_own_generation(bucket):
+  server, url = bucket
+  path = f"{url}/gen/{run_lock.LOCK_FILE}"
+  from MaxLite import paths
+
+  paths.create_new(path, "mine")
+  text, generation = paths.read_generation(path)
+  assert text == "mine"
+  server.upload("locks", f"gen/{run_lock.LOCK_FILE}", b"theirs")  # a new owner, between our read and our write
+  assert paths.replace_generation(path, "mine again", generation) is None
+  assert server.read("locks", f"gen/{run_lock.LOCK_FILE}") == b"theirs"
+  text, current = paths.read_generation(path)
+  assert paths.replace_generation(path, "mine again", current) not in (None, current)
+
+
+def test_gs_heartbeat_never_overwrites_a_new_owner_and_marks_the_lock_lost(bucket, monkeypatch, caplog):
+  server, url = bucket
+  monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+  config = make_config(*TINY, f"base_output_directory={url}/beat")
+  name = f"beat/r/{run_lock.LOCK_FILE}"
+  lock = run_lock.acquire(config)
+  try:
+    time.sleep(0.3)  # a few beats of our own
+    assert lock.lost() is None and json.loads(server.read("locks", name))["pid"] == os.getpid()
+    server.upload("locks", name, _foreign_lock())
+    with caplog.at_level(logging.ERROR):
+      time.sleep(0.3)
+    assert json.loads(server.read("locks", name))["host"] == "elsewhere"
+    assert "was taken over by pid 1 on host elsewhere (started then)" in lock.lost()
+  finally:
+    lock.release()
+  assert json.loads(server.read("locks", name))["host"] == "elsewhere"  # not ours to remove
+
+
+def test_a_run_whose_gs_lock_is_taken_over_stops_before_its_next_save(bucket, tmp_path):
+  server, url = bucket
+  args = (*TINY, f"base_output_directory={url}/runs", "run_name=taken", "enable_checkpointing=true")
+  log = str(tmp_path / "log")
+  run = procs.start(procs.train_command(*args, "checkpoint_period=10", "steps=100000"), log)
+  deadline = time.monotonic() + 120
+  while "runs/taken/checkpoints/10/commit_success.txt" not in server.objects("locks", "runs/taken/checkpoints/10/"):
+    assert run.poll() is None and time.monotonic() < deadline, procs.tail(log)
+    time.sleep(0.05)
+  server.upload("locks", f"runs/taken/{run_lock.LOCK_FILE}", _foreign_lock())  # as a later run takes a stale lock
+  assert run.wait(timeout=120) == 2, procs.tail(log)
+  errors = _error_lines(log)
+  assert len(errors) == 1, procs.tail(log)
+  match = re.search(r"taken over by pid 1 on host elsewhere .*; stopping without saving step (\d+)", errors[0])
+  assert match, errors
+  saved = {int(n.split("/")[3]) for n in server.objects("locks", "runs/taken/checkpoints/")}
+  assert max(saved) < int(match.group(1)), (saved, errors)
+  assert json.loads(server.read("locks", f"runs/taken/{run_lock.LOCK_FILE}"))["host"] == "elsewhere"
+
+
+def test_every_process_of_a_job_stops_when_process_0_is_refused_the_lock(bucket, tmp_path):
+  server, url = bucket
+  server.upload("locks", f"runs/busy/{run_lock.LOCK_FILE}", _foreign_lock())
+  log = str(tmp_path / "log")
+  command = procs.launch_command(2, 1, *TINY, f"base_output_directory={url}/runs", "run_name=busy", "steps=3")
+  assert procs.run(command, log, timeout=180) != 0
+  output = procs.tail(log, lines=400)
+  assert re.search(r"error: run directory \S+/runs/busy is in use by pid 1 on host elsewhere", output), output
+  assert "process 0 could not take its lock" in output, output
+  assert "Traceback" not in output, output

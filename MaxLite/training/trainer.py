@@ -88,12 +88,13 @@ def evaluate(config: Config, mesh, eval_fn, params, batches: Any = None) -> floa
   return totals["xent_sum"] / max(totals["tokens"], 1.0)
 
 
-def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[dict[str, Any]]:
-  """Train for config.steps steps; returns the metrics rows (also written to metrics.jsonl)."""
+def train(config: Config, devices: Sequence[jax.Device] | None = None, guard: Any = None) -> list[dict[str, Any]]:
+  """Train for config.steps steps; returns the metrics rows (also written to metrics.jsonl). `guard`
+  (run_lock.hold's, on every process) is asked before each save whether the run still owns its directory."""
   mesh = create_mesh(config, devices)
   logging.info(describe_mesh(mesh))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    return _train_on_mesh(config, mesh)
+    return _train_on_mesh(config, mesh, guard)
 
 
 def initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[Any, Any, int]:
@@ -124,7 +125,7 @@ def _offloaded(config: Config) -> bool:
   return config.parameter_memory_host_offload or config.optimizer_memory_host_offload
 
 
-def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
+def _train_on_mesh(config: Config, mesh, guard: Any) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
@@ -227,6 +228,8 @@ def _train_on_mesh(config: Config, mesh) -> list[dict[str, Any]]:
       if saves is not None and (step % config.checkpoint_period == 0 or step == config.steps or preempted):
         finish(*pending)  # the saved step's metrics row goes out with it (a resume starts after it)
         pending = None
+        if guard is not None:
+          guard.before_save(step)
         check_state(step)
         saves.save(step, state, batches, config)
         writer.flush()
