@@ -349,7 +349,7 @@ def validate_and_derive(
     platform = jax.default_backend()
   sequence_shards = _activation_shards(c["logical_axis_rules"], "activation_length", mesh)
   head_shards = _activation_shards(c["logical_axis_rules"], "activation_heads", mesh)
-  kernel = attention_choice.attention_kernel(c, platform, sequence_shards, head_shards)
+  kernel, kernel_reason = attention_choice.choose_attention(c, platform, sequence_shards, head_shards)
   _check_vocab_tiling(c, sequence_shards)
 
   run_name = c["run_name"] or default_run_name()
@@ -377,6 +377,7 @@ def validate_and_derive(
     num_params=parameter_count(c),
     moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,
+    attention_choice=kernel_reason,
     # Off TPU the splash kernel runs in Pallas interpret mode (same numerics, for tests and CPU runs).
     attention_interpret=kernel == "splash" and platform != "tpu",
   )

@@ -269,17 +269,17 @@ def check_bucket(path: str, key: str) -> None:
   """For a gs:// URL: the bucket exists and is reachable with this machine's credentials; one clear line if not."""
   if not is_url(path):
     return
-  try:
-    fs, inner = _fs(path)
-  except InputError as e:  # it names the path; say which key holds it
-    raise InputError(f"{key}={e}") from None
-  bucket = inner.split("/", 1)[0]
+  bucket = path.split("://", 1)[1].split("/", 1)[0]  # checked before any request: a wrong name needs no network
   if not bucket:
     raise InputError(f"{key}={path}: names no bucket; use {path.split('://', 1)[0]}://BUCKET/folder")
   if path.startswith("gs://") and not _GCS_BUCKET_NAME.fullmatch(bucket):
     raise InputError(
       f"{key}={path}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, - _ .)"
     )
+  try:
+    fs, _ = _fs(path)
+  except InputError as e:  # it names the path; say which key holds it
+    raise InputError(f"{key}={e}") from None
   quiet = logging.getLogger("gcsfs")
   level, quiet.level = quiet.level, logging.CRITICAL  # its retries log tracebacks; the error below says it all
   try:

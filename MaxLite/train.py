@@ -12,7 +12,7 @@ from __future__ import annotations
 from MaxLite.launch import allocator
 
 if __name__ == "__main__":
-  allocator.reexec_with_tcmalloc()  # before jax is imported (console scripts re-exec in main(), a little later)
+  allocator.reexec_with_tcmalloc()  # before jax is imported (the console script re-execs in script())
 
 import os  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -68,6 +68,7 @@ def run(argv: Sequence[str]) -> None:
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
   logging.info("config:\n%s", summarize(config))
+  logging.info("attention kernel %s (%s)", config.attention_kernel, config.attention_choice)
   from MaxLite.training.trainer import train
 
   with run_lock.hold(config) as guard:
@@ -75,8 +76,14 @@ def run(argv: Sequence[str]) -> None:
 
 
 def main() -> None:
-  allocator.reexec_with_tcmalloc()
+  """Train with the command line in sys.argv; safe to call from another program (it never replaces the process)."""
   cli.run_config_tool(run, __doc__)
+
+
+def script() -> None:
+  """The `maxlite-train` console script: the process is its own, so it may re-exec under tcmalloc first."""
+  allocator.reexec_with_tcmalloc()
+  main()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ def _train(tmp_path, run_name):
 def test_tiny_model_trains_deterministically_to_the_golden_losses(tmp_path):
   first, second = _train(tmp_path, "a"), _train(tmp_path, "b")
   assert first == second  # same config + seed: bit for bit
+  # Checkpoints are on by default (MaxText's default), and the run says where they go.
+  assert os.listdir(tmp_path / "a" / "checkpoints") == ["12"]
+  with open(tmp_path / "a.log", encoding="utf-8") as f:
+    assert f"checkpoints: every 100 steps, the last step and on SIGTERM, to {tmp_path}/a/checkpoints" in f.read()
   steps = sorted(first)
   assert steps == list(range(1, 13))
   assert sum(first[s] for s in steps[-3:]) / 3 < sum(first[s] for s in steps[:3]) / 3 - 1.0  # it learns

@@ -17,6 +17,8 @@ def test_preload_env_adds_tcmalloc_once_and_respects_the_switch(tmp_path):
   assert allocator.preload_env({"LD_PRELOAD": "/x/libfoo.so"}, lib)["LD_PRELOAD"] == f"{lib} /x/libfoo.so"
   assert allocator.preload_env({"LD_PRELOAD": lib}, lib) is None  # after the re-exec: no second one
   assert allocator.preload_env({"MAXLITE_TCMALLOC": "0"}, lib) is None
+  for own in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/opt/mimalloc/libmimalloc.so /x/libfoo.so"):
+    assert allocator.preload_env({"LD_PRELOAD": own}, lib) is None  # the user's allocator stays the allocator
   assert allocator.preload_env({}, None) is None  # not installed: the system allocator
   present = tmp_path / "libtcmalloc.so.4"
   present.write_bytes(b"")
@@ -59,3 +61,15 @@ def test_reexec_keeps_pid_and_arguments_and_loads_tcmalloc(tmp_path):
     timeout=120,
   )
   assert off.stdout.split()[1] == "False"
+
+
+def test_only_the_script_entry_reexecs_never_main_called_from_another_program(monkeypatch):
+  from MaxLite import cli, train
+
+  calls = []
+  monkeypatch.setattr(allocator, "reexec_with_tcmalloc", lambda: calls.append("reexec"))
+  monkeypatch.setattr(cli, "run_config_tool", lambda run, doc: calls.append("train"))
+  train.main()
+  assert calls == ["train"]
+  train.script()  # the maxlite-train console script
+  assert calls == ["train", "reexec", "train"]

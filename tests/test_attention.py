@@ -162,6 +162,21 @@ def test_splash_heads_must_split_over_the_rules_head_shards():
     _derive("attention=splash", f"logical_axis_rules={rules}", *layout, num_devices=4)
 
 
+def test_autoselected_on_tpu_applies_the_head_split_check_and_says_why_it_falls_back():
+  rules = (
+    '[["activation_batch", ["fsdp"]], ["activation_heads", ["tensor", "data"]], ["activation_kv_heads", ["tensor"]],'
+    ' ["activation_length", ["sequence"]], ["embed", ["fsdp"]], ["vocab", ["tensor"]], ["layers", ["stage"]]]'
+  )
+  layout = ("ici_data_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1")
+  c = _derive(f"logical_axis_rules={rules}", *layout, platform="tpu", num_devices=4)
+  assert c["attention_kernel"] == "dot_product"
+  assert "not splash, because base_num_kv_heads=2 does not split over the 4 shards" in c["attention_choice"]
+  assert _derive("max_target_length=64", platform="tpu")["attention_choice"].startswith(
+    "autoselected: dot_product, not splash, because attention=splash needs max_target_length"
+  )
+  assert _derive(platform="tpu")["attention_choice"] == "autoselected: the splash kernel on TPU"
+
+
 def _derive(*overrides, platform="cpu", num_devices=1):
   from MaxLite import config as config_lib
 

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -253,3 +254,16 @@ def test_training_on_parquet_shards_equals_training_on_arrayrecord(corpus, tmp_p
   arrayrecord = _cli_metrics(tmp_path, "arrayrecord")
   assert [r["loss"] for r in parquet if "loss" in r] and sum("eval_loss" in r for r in parquet) == 2
   assert parquet == arrayrecord  # bit for bit: the same data stream
+
+
+@pytest.mark.parametrize(
+  "url, fragment",
+  [("gs://", "names no bucket"), ("gs:///runs", "names no bucket"), ("gs://AB/runs", "not a valid bucket name")],
+)
+def test_a_url_without_a_valid_bucket_is_named_before_any_network_request(monkeypatch, url, fragment):
+  from MaxLite import paths
+  from MaxLite.errors import InputError
+
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # offline: nothing answers there
+  with pytest.raises(InputError, match=rf"^base_output_directory={re.escape(url)}: .*{fragment}"):
+    paths.check_bucket(url, "base_output_directory")

@@ -234,3 +234,29 @@ def test_the_step_donates_the_optimizer_state_and_the_parameters_only_when_asked
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old.opt_state) if leaf.size > 1)
   assert all(leaf.is_deleted() == donate_params for leaf in jax.tree.leaves(old.params))
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new.params))
+
+
+def test_a_preemption_service_that_fails_is_reported_once_not_on_every_step(monkeypatch, caplog):
+  import logging
+
+  from jax.experimental import multihost_utils
+
+  from MaxLite.training import preemption
+
+  asked = []
+
+  def unavailable(step):
+    asked.append(step)
+    raise RuntimeError("Preemption sync manager has not been initialized")
+
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", unavailable)
+  watcher = preemption.PreemptionWatcher()
+  watcher._use_jax = True  # as under jax.distributed
+  try:
+    with caplog.at_level(logging.WARNING):
+      assert not any(watcher.reached(step) for step in range(1, 6))
+  finally:
+    watcher.close()
+  warnings = [r.getMessage() for r in caplog.records if "preemption notices are off" in r.getMessage()]
+  assert len(warnings) == 1 and "has not been initialized" in warnings[0], caplog.text
+  assert asked == [1]

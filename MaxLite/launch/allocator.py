@@ -9,6 +9,7 @@ again; tcmalloc keeps them. Measured on the 2-core CPU benchmark (end_to_end/ben
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -27,9 +28,15 @@ def tcmalloc_path(candidates: Sequence[str] = CANDIDATES) -> str | None:
   return next((p for p in candidates if os.path.isfile(p)), None)
 
 
+# A preloaded library whose name says it is an allocator (jemalloc, tcmalloc, mimalloc, snmalloc, Hoard ...):
+# the user chose it, and preloading tcmalloc in front of it would silently replace it.
+_ALLOCATOR = re.compile(r"malloc|hoard", re.IGNORECASE)
+
+
 def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] | None:
-  """The environment to re-exec with, or None when nothing should change (turned off, none installed, loaded)."""
-  if library is None or env.get("MAXLITE_TCMALLOC", "1") == "0" or "tcmalloc" in env.get("LD_PRELOAD", ""):
+  """The environment to re-exec with, or None when nothing should change (turned off, none installed, tcmalloc
+  or another allocator already preloaded)."""
+  if library is None or env.get("MAXLITE_TCMALLOC", "1") == "0" or _ALLOCATOR.search(env.get("LD_PRELOAD", "")):
     return None
   preload = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
   # tcmalloc reports every allocation over 1 GiB on stderr by default; a model's buffers are routinely larger.
@@ -38,8 +45,9 @@ def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] |
 
 def reexec_with_tcmalloc() -> None:
   """Replace this process (same pid, same interpreter options and arguments: a script, -m or -c run alike) with
-  one that has tcmalloc preloaded; a no-op otherwise. Call first thing in an entry point: nothing done before it
-  survives."""
+  one that has tcmalloc preloaded; a no-op otherwise. Call it only from a script's entry (`__main__`, a console
+  script), first thing: nothing done before it survives, and a program that calls a library function must never
+  be replaced by it."""
   if sys.platform != "linux":
     return
   env = preload_env(os.environ, tcmalloc_path())

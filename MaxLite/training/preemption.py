@@ -12,12 +12,16 @@ import threading
 from typing import Any
 
 import jax
+from absl import logging
 from jax.experimental import multihost_utils
+
+from MaxLite.errors import first_line
 
 
 class PreemptionWatcher:
   def __init__(self) -> None:
     self._signalled = False
+    self._unavailable = False  # the preemption service failed once: said so, and not asked again
     self._previous: Any = None
     self._use_jax = jax.distributed.is_initialized()
     if not self._use_jax and threading.current_thread() is threading.main_thread():
@@ -29,11 +33,16 @@ class PreemptionWatcher:
 
   def reached(self, step: int) -> bool:
     """Call once per step on every process; true at the step where all should save and stop."""
-    if self._use_jax:
+    if self._use_jax and not self._unavailable:
       try:
         return multihost_utils.reached_preemption_sync_point(step)
-      except RuntimeError:  # preemption service disabled
-        return False
+      except RuntimeError as e:  # jax.distributed started without its preemption service
+        self._unavailable = True
+        logging.warning(
+          "preemption notices are off: JAX's preemption sync service does not answer (%s); a SIGTERM will stop "
+          "this run without saving a checkpoint first",
+          first_line(e, with_type=True),
+        )
     return self._signalled
 
   def close(self) -> None:

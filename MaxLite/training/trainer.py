@@ -212,6 +212,12 @@ def _train_on_mesh(config: Config, mesh, guard: Any) -> list[dict[str, Any]]:
         "gradient_clipping_threshold)"
       )
 
+  if manager is not None:
+    logging.info(
+      "checkpoints: every %d steps, the last step and on SIGTERM, to %s (enable_checkpointing=false turns them off)",
+      config.checkpoint_period,
+      config.checkpoint_dir,
+    )
   preemption = PreemptionWatcher() if manager is not None else None
   saves = checkpointing.Saves(manager) if manager is not None else None
   completed = False
