@@ -297,6 +297,27 @@ def parameter_count(c: dict[str, Any]) -> int:
   return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
 
 
+def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> None:
+  if not c["enable_emergency_checkpoint"]:
+    return
+  if not c["enable_checkpointing"]:
+    raise ConfigError("enable_emergency_checkpoint=true needs enable_checkpointing=true")
+  if not c["local_checkpoint_directory"] or paths.is_url(c["local_checkpoint_directory"]):
+    raise ConfigError(
+      f"enable_emergency_checkpoint=true needs local_checkpoint_directory, a directory on each host's own disk "
+      f"(got {c['local_checkpoint_directory']!r})"
+    )
+  if c["local_checkpoint_period"] <= 0:
+    raise ConfigError(
+      f"enable_emergency_checkpoint=true needs local_checkpoint_period > 0 (got {c['local_checkpoint_period']})"
+    )
+  if mesh[MESH_AXES[0]] < 2:
+    raise ConfigError(
+      f"enable_emergency_checkpoint=true needs at least 2 data-parallel replicas on the {MESH_AXES[0]} axis (each "
+      "restores the others' local checkpoints); set dcn_data_parallelism or ici_data_parallelism >= 2"
+    )
+
+
 def validate_and_derive(
   c: dict[str, Any],
   *,
@@ -325,6 +346,7 @@ def validate_and_derive(
   )
   mesh = {a: ici[a] * dcn[a] for a in MESH_AXES}
   _check_model_vs_mesh(c, mesh)
+  _check_emergency_checkpoints(c, mesh)
 
   micro_batch = c["per_device_batch_size"] * num_devices
   if not float(micro_batch).is_integer() or micro_batch < 1:

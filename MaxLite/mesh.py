@@ -15,7 +15,7 @@ from MaxLite.derived import MESH_AXES
 
 def _slice_groups(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:
   """Devices of each slice: by slice_index on TPU, by process on multi-host CPU/GPU, else in order."""
-  if hasattr(devices[0], "slice_index"):
+  if len({getattr(d, "slice_index", 0) for d in devices}) == num_slices > 1:  # TPU: every device knows its slice
     key = lambda d: d.slice_index
   elif len({d.process_index for d in devices}) == num_slices:
     key = lambda d: d.process_index

@@ -7,6 +7,7 @@ Every compared run is a train.py process seeing the same device count (see test_
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -378,3 +379,55 @@ def test_emulator_endpoints_follow_storage_emulator_host():
   paths.use_storage_emulator_if_set(environ)
   assert environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:2222"
   assert environ["NO_GCE_CHECK"] == "false"  # an explicit user choice stays
+
+
+EMERGENCY_LAYOUT = (
+  *TINY,
+  "enable_tensorboard=false",
+  "per_device_batch_size=1",
+  "num_slices=2",
+  "dcn_data_parallelism=2",
+  "ici_fsdp_parallelism=4",
+  "steps=16",
+)
+
+
+def _local_steps(folder):
+  return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
+
+
+def test_emergency_checkpoints_resume_from_a_local_step_and_without_a_lost_host(gcs, tmp_path):
+  """2 processes x 4 devices, each process one data replica with its own local directory; persistent steps on
+  the bucket. Killed after a local save newer than the persistent one, the job resumes from that local step;
+  with process 1's local directory gone (a replaced host), from what is left. Both equal the uninterrupted run."""
+  log = str(tmp_path / "launch.log")
+  plain = procs.launch_command(2, 4, *EMERGENCY_LAYOUT, f"base_output_directory={tmp_path}", "run_name=ref")
+  assert procs.run(plain, log) == 0, procs.tail(log)
+  straight = procs.losses(procs.metric_rows(str(tmp_path / "ref" / "metrics.jsonl")))
+  local = tmp_path / "local"
+  emergency = (
+    *EMERGENCY_LAYOUT,
+    f"base_output_directory=gs://{BUCKET}/runs",
+    "enable_emergency_checkpoint=true",
+    f"local_checkpoint_directory={local}",
+    "local_checkpoint_period=2",
+    "checkpoint_period=8",
+  )
+  for run, lose_host in (("em", False), ("em_lost", True)):
+    command = procs.launch_command(2, 4, *emergency, f"run_name={run}")
+    launcher = _start(gcs, command, log)
+    replica_1 = str(local / run / "process_1")
+    _wait(launcher, log, lambda r=replica_1: max(_local_steps(r), default=0) >= 10, "local step 10 saved")
+    os.killpg(launcher.pid, signal.SIGSTOP)  # frozen at once: no save after this look
+    local_steps, persistent = _local_steps(replica_1), _finalized(gcs, run)
+    procs.kill_group(launcher, signal.SIGKILL)
+    assert max(local_steps) > max(persistent), (local_steps, persistent)
+    if lose_host:
+      shutil.rmtree(replica_1)
+    start = len(open(log, encoding="utf-8").read())
+    assert _run(gcs, command, log) == 0, procs.tail(log)
+    with open(log, encoding="utf-8") as f:
+      resumed = f.read()[start:]
+    expected = max(persistent) if lose_host else max(local_steps)
+    assert resumed.count(f"resumed from checkpoint at step {expected}") == 2, resumed[-3000:]
+    assert _bucket_losses(gcs, run) == straight  # bit for bit

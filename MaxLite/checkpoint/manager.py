@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging as std_logging
 from collections.abc import Callable
 from typing import Any
 
@@ -96,8 +97,12 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   return ocp.CheckpointManager(paths.absolute(config.checkpoint_dir), options=options, item_handlers=handlers)
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config) -> None:
-  """Start saving `step`; with async on, returns once the arrays are copied off the devices."""
+def save(manager: Any, step: int, state: Any, data_iterator: Any, config: Config, force: bool = True) -> None:
+  """Start saving `step`; with async on, returns once the arrays are copied off the devices. An emergency
+  manager (checkpoint/emergency.py) saves on the tiers whose period `step` is, or on all when `force`."""
+  if not isinstance(manager, ocp.CheckpointManager):
+    manager.save(step, state, data_iterator, config, force)
+    return
   args = ocp.args.Composite(
     **{
       STATE: ocp.args.StandardSave(state),
@@ -118,7 +123,7 @@ class Saves:
     self.manager = manager
     self._unconfirmed: int | None = None  # the last step saved, until its save is known to have succeeded
 
-  def save(self, step: int, state: Any, data_iterator: Any, config: Config) -> None:
+  def save(self, step: int, state: Any, data_iterator: Any, config: Config, force: bool = True) -> None:
     self.wait()  # a failure of the previous save is reported as that step's, not this one's
     if step in self.manager.all_steps():
       # Only a step that resuming skipped as unreadable can be here; its files are kept for inspection.
@@ -130,7 +135,7 @@ class Saves:
       return
     self._unconfirmed = step
     try:
-      save(self.manager, step, state, data_iterator, config)
+      save(self.manager, step, state, data_iterator, config, force)
     except Exception as e:  # a synchronous save, or the copy off the devices, failed
       self._unconfirmed = None
       raise self._failed(step, e) from e
@@ -163,6 +168,9 @@ class Saves:
       self.manager.close()
 
   def _failed(self, step: int, error: BaseException) -> CheckpointError:
+    # Orbax's other write tasks of this save fail the same way; asyncio would print each one's traceback when
+    # they are garbage-collected (at exit, under load), after the one line this error becomes.
+    std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
     where = paths.join(str(self.manager.directory), str(step))
     cause = first_line(error, with_type=True, limit=1000)  # storage errors name the file first, the reason last
     return CheckpointError(f"saving checkpoint step {step} to {where} failed ({cause})")

@@ -20,6 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import sharding as sharding_lib
 from MaxLite.checkpoint import manager as checkpointing
+from MaxLite.checkpoint.emergency import EmergencyCheckpoints
 from MaxLite.checkpoint.resume_checks import check_resume
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
@@ -104,7 +105,9 @@ def initial_state(config: Config, mesh, model, tx, manager, batches) -> tuple[An
   shardings = sharding_lib.with_host_offload(shardings, config)
   target = checkpointing.sharded_target(abstract, shardings)
   resumed = None
-  if manager is not None:
+  if isinstance(manager, EmergencyCheckpoints):
+    resumed = manager.restore_newest(batches, lambda step_dir: check_resume(step_dir, config))
+  elif manager is not None:
     resumed = checkpointing.restore_newest(manager, target, batches, lambda step_dir: check_resume(step_dir, config))
   if resumed is not None:
     state, step = resumed
@@ -132,7 +135,11 @@ def _train_on_mesh(config: Config, mesh, guard: Any) -> list[dict[str, Any]]:
   if config.debug_sharding and jax.process_index() == 0:
     abstract, logical, shardings = abstract_state(model, tx, config, mesh)
     print(sharding_lib.sharding_report(abstract.params, logical.params, shardings.params), flush=True)
-  manager = checkpointing.create_manager(config)
+  if config.enable_emergency_checkpoint:
+    abstract, _, shardings = abstract_state(model, tx, config, mesh)
+    manager = EmergencyCheckpoints(config, mesh, checkpointing.sharded_target(abstract, shardings))
+  else:
+    manager = checkpointing.create_manager(config)
   batches = input_pipeline.make_iterator(config, mesh, "train")
   try:
     state, state_shardings, start_step = initial_state(config, mesh, model, tx, manager, batches)
@@ -231,13 +238,17 @@ def _train_on_mesh(config: Config, mesh, guard: Any) -> list[dict[str, Any]]:
         finish(*pending)
       pending = (step, metrics)
       preempted = preemption is not None and preemption.reached(step)
-      if saves is not None and (step % config.checkpoint_period == 0 or step == config.steps or preempted):
+      must_save = step == config.steps or preempted
+      periodic = step % config.checkpoint_period == 0 or (
+        isinstance(manager, EmergencyCheckpoints) and manager.wants(step)
+      )
+      if saves is not None and (periodic or must_save):
         finish(*pending)  # the saved step's metrics row goes out with it (a resume starts after it)
         pending = None
         if guard is not None:
           guard.before_save(step)
         check_state(step)
-        saves.save(step, state, batches, config)
+        saves.save(step, state, batches, config, force=must_save)
         writer.flush()
       if preempted:
         logging.info("preempted: saved a checkpoint at step %d, stopping", step)

@@ -1,0 +1,145 @@
+"""Emergency checkpoints (MaxText's `enable_emergency_checkpoint`): frequent saves of the train state to each
+host's own disk, rare ones to the run's persistent checkpoint directory, through orbax's emergency checkpoint
+manager (orbax.checkpoint.experimental.emergency).
+
+Orbax splits the hosts by the mesh's data axis into replicas of the state: the first replica saves to persistent
+storage every `checkpoint_period` steps, the others to their `local_checkpoint_directory` every
+`local_checkpoint_period` steps. A restart restores the newest step any replica has (a replica that holds it
+reads it and sends it to the others) or else the newest persistent one. A host that lost its disk has no local
+steps, and the job resumes from what the others have.
+
+Orbax's manager holds the state only. The data positions of every process (what resumes the input stream
+exactly) and the config go to `<run_dir>/data_positions/<step>` on persistent storage at every save, local or
+persistent, so every restorable step has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency_manager
+
+from MaxLite import paths
+from MaxLite.checkpoint import CONFIG, DATA_ITER, agreement
+from MaxLite.checkpoint.manager import (
+  ConfigHandler,
+  ConfigSave,
+  DataIteratorHandler,
+  DataIteratorRestore,
+  DataIteratorSave,
+  select_iterator_state,
+)
+from MaxLite.checkpoint.reads import read
+from MaxLite.config import Config
+
+DATA_POSITIONS = "data_positions"
+
+
+def local_directory(config: Config) -> str:
+  """This process's local checkpoint directory: one per run and process, so hosts (or processes sharing a
+  machine) never read each other's files as their own."""
+  root = paths.absolute(config.local_checkpoint_directory)
+  return paths.join(root, config.run_name, f"process_{jax.process_index()}")
+
+
+def _no_mesh() -> Any:
+  """Orbax's emergency manager makes small arrays with jnp and gathers them across processes; under the run's
+  mesh (jax.set_mesh) those would be global arrays, which its gathers refuse."""
+  return jax.set_mesh(None)
+
+
+class EmergencyCheckpoints:
+  """The orbax emergency manager for the state, and a plain one for data positions and config."""
+
+  def __init__(self, config: Config, mesh: jax.sharding.Mesh, target: Any):
+    self.config = config
+    self.directory = paths.absolute(config.checkpoint_dir)
+    local = local_directory(config)
+    paths.makedirs(local)  # orbax wants both directories to exist; on gs:// a folder exists once it holds an object
+    paths.makedirs(self.directory)
+    if paths.is_url(self.directory) and not paths.exists(self.directory):
+      paths.write_text(paths.join(self.directory, "EMERGENCY_CHECKPOINTS"), "saved by orbax's emergency manager\n")
+    options = emergency_manager.CheckpointManagerOptions(
+      local=emergency_manager.LocalCheckpointOptions(save_interval_steps=config.local_checkpoint_period),
+      persistent=emergency_manager.PersistentCheckpointOptions(
+        save_interval_steps=config.checkpoint_period,
+        max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
+      ),
+      replica_axis_index=0,  # the data axis (MESH_AXES[0])
+      enable_async_checkpointing=config.async_checkpointing,
+    )
+    if jax.process_count() > 1:  # the process <-> device maps orbax's emergency manager reads (as MaxText does)
+      if not ocp.multihost.is_runtime_to_distributed_ids_initialized():
+        ocp.multihost.initialize_runtime_to_distributed_ids()
+      if not ocp.multihost.is_distributed_to_device_ids_initialized():
+        ocp.multihost.initialize_distributed_to_device_ids()
+    with _no_mesh():
+      self._state = emergency_manager.CheckpointManager(local, self.directory, mesh, target, options=options)
+    self._data = ocp.CheckpointManager(
+      paths.join(paths.absolute(config.run_dir), DATA_POSITIONS),
+      options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+      item_handlers={DATA_ITER: DataIteratorHandler(), CONFIG: ConfigHandler()},
+    )
+    logging.info(
+      "emergency checkpoints: every %d steps to %s (this process), every %d steps to %s",
+      config.local_checkpoint_period,
+      local,
+      config.checkpoint_period,
+      self.directory,
+    )
+
+  def wants(self, step: int) -> bool:
+    return step % self.config.local_checkpoint_period == 0 or step % self.config.checkpoint_period == 0
+
+  def all_steps(self) -> list[int]:
+    with _no_mesh():
+      return sorted(set(self._state.all_steps()) & set(self._data.all_steps()))
+
+  def save(self, step: int, state: Any, data_iterator: Any, config: Config, force: bool) -> None:
+    """Saves `step` on the tiers whose period it is (both when `force`: the last step, a preemption)."""
+    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+    with _no_mesh():
+      saved = self._state.save(step, args=args, force=force)
+    if saved:
+      data = {DATA_ITER: DataIteratorSave(data_iterator.get_state()), CONFIG: ConfigSave(config.to_dict())}
+      self._data.save(step, args=ocp.args.Composite(**data), force=True)
+
+  def restore_newest(self, data_iterator: Any, check: Callable[[str], None]) -> tuple[Any, int] | None:
+    """(state, step) of the newest step some replica or the persistent directory holds, the same on every
+    process; None when there is none. `check(step_dir)` compares the config the step was saved with."""
+    steps = agreement.process_0s(sorted(self.all_steps(), reverse=True))
+    if not steps:
+      return None
+    step = steps[0]
+    positions_dir = paths.join(self._data.directory.as_posix(), str(step))
+    read(positions_dir, lambda: check(positions_dir))
+    logging.info("emergency checkpoints: restoring step %d (steps available: %s)", step, steps[:5])
+    with _no_mesh():
+      state = read(f"emergency checkpoint step {step}", lambda: self._state.restore(step)).state
+    positions = read(
+      positions_dir,
+      lambda: self._data.restore(step, args=ocp.args.Composite(**{DATA_ITER: DataIteratorRestore()})),
+    )
+    data_iterator.set_state(select_iterator_state(positions[DATA_ITER], str(step)))
+    return state, step
+
+  def is_saving_in_progress(self) -> bool:
+    # Orbax's emergency manager cannot be asked; saying "yes" leaves a failed save to be reported at the next
+    # save or at the end (Saves.wait), instead of blocking every step until the last save is done.
+    return True
+
+  def wait_until_finished(self) -> None:
+    with _no_mesh():
+      self._state.wait_until_finished()
+    self._data.wait_until_finished()
+
+  def close(self) -> None:
+    try:
+      with _no_mesh():
+        self._state.close()
+    finally:
+      self._data.close()
