@@ -3,6 +3,7 @@ with an uninterrupted run, bit for bit.
 
   python end_to_end/fault_trial.py --trials 20 --storage local --processes 1
   python end_to_end/fault_trial.py --trials 20 --storage gs --processes 2
+  python end_to_end/fault_trial.py --trials 20 --storage gs --processes 2 --emergency
 
 Each trial is a fresh run directory. Until the run exits 0, the trial starts it, waits a random number of
 logged steps, and kills it one of three ways: SIGKILL of the whole job, SIGKILL of one process of two (the
@@ -35,7 +36,7 @@ _LOGGED_STEP = re.compile(r"step\s+(\d+) \| loss")
 KILLS = ("job", "one_process", "during_save")
 
 
-def _args(storage: str, processes: int) -> tuple[str, ...]:
+def _args(storage: str, processes: int, emergency_dir: str = "") -> tuple[str, ...]:
   base = f"gs://{BUCKET}/runs" if storage == "gs" else None
   args = (
     *procs.TINY,
@@ -46,7 +47,10 @@ def _args(storage: str, processes: int) -> tuple[str, ...]:
     f"steps={STEPS}",
     f"per_device_batch_size={1 if processes == 2 else 4}",
   )
-  if processes == 2:
+  if emergency_dir:  # each process one data replica, saving locally every 2 steps, persistently every PERIOD
+    args += ("num_slices=2", "dcn_data_parallelism=2", "ici_fsdp_parallelism=4", "enable_emergency_checkpoint=true")
+    args += (f"local_checkpoint_directory={emergency_dir}", "local_checkpoint_period=2")
+  elif processes == 2:
     args += ("ici_fsdp_parallelism=8",)
   return args + ((f"base_output_directory={base}",) if base else ())
 
@@ -79,9 +83,10 @@ def _logged_steps(log: str) -> list[int]:
 
 
 class Trial:
-  def __init__(self, storage: str, processes: int, workdir: str, gcs: LocalGCS | None):
+  def __init__(self, storage: str, processes: int, workdir: str, gcs: LocalGCS | None, emergency: bool):
     self.storage, self.processes, self.workdir, self.gcs = storage, processes, workdir, gcs
-    self.args = _args(storage, processes)
+    self.save_every = 2 if emergency else PERIOD
+    self.args = _args(storage, processes, os.path.join(workdir, "local") if emergency else "")
     self.env = procs.env_with_devices(1)  # the launcher gives each of two processes 4 devices
     if gcs is not None:
       self.env.update(gcs.env, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
@@ -121,8 +126,9 @@ class Trial:
         return kills
       kind = rng.choice([k for k in KILLS if k != "one_process" or self.processes == 2])
       target = rng.randint(done + 1, STEPS - 1)
-      if kind == "during_save":
-        target = min(STEPS - 1, -(-target // PERIOD) * PERIOD)
+      if kind == "during_save":  # the next step that saves, if one comes before the last step
+        save_step = -(-target // self.save_every) * self.save_every
+        kind, target = ("during_save", save_step) if save_step < STEPS else ("job", target)
       proc = self.start(run_name, log)
       deadline = time.monotonic() + 600
       while time.monotonic() < deadline and proc.poll() is None:
@@ -152,9 +158,12 @@ def main() -> int:
   parser.add_argument("--trials", type=int, default=3)
   parser.add_argument("--storage", choices=("local", "gs"), default="local")
   parser.add_argument("--processes", type=int, choices=(1, 2), default=1)
+  parser.add_argument("--emergency", action="store_true", help="emergency checkpoints (needs --processes 2)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workdir", default="", help="where runs go (default: a temporary directory, removed)")
   flags = parser.parse_args()
+  if flags.emergency and flags.processes != 2:
+    parser.error("--emergency needs --processes 2 (one data replica per process)")
   workdir = flags.workdir or tempfile.mkdtemp(prefix="fault_trial_")
   os.makedirs(workdir, exist_ok=True)
   rng = random.Random(flags.seed)
@@ -164,7 +173,7 @@ def main() -> int:
     if flags.storage == "gs":
       gcs = LocalGCS(os.path.join(workdir, "gcs")).__enter__()
       gcs.create_bucket(BUCKET)  # outputs only: the runs read the shipped corpus and tokenizer
-    trial = Trial(flags.storage, flags.processes, workdir, gcs)
+    trial = Trial(flags.storage, flags.processes, workdir, gcs, flags.emergency)
     trial.run_to_end("reference", os.path.join(workdir, "reference.log"))
     reference = trial.losses("reference")
     assert sorted(reference) == list(range(1, STEPS + 1)), reference
@@ -181,6 +190,7 @@ def main() -> int:
         flush=True,
       )
     mode = f"{flags.processes} process{'es' if flags.processes > 1 else ''} on {flags.storage}"
+    mode += ", emergency checkpoints" if flags.emergency else ""
     print(f"{identical}/{flags.trials} resumed bit-identical ({mode}, {time.monotonic() - start:.0f}s)", flush=True)
     return 0 if identical == flags.trials else 1
   finally:

@@ -8,6 +8,8 @@ code may round differently when the process sees a different device count, so an
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import orbax.checkpoint as ocp
@@ -122,3 +124,16 @@ def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):
   assert len(errors) == 1, output
   assert re.match(r"error: saving checkpoint step 100 to \S+/checkpoints/100 failed \(\w+: .*File too large", errors[0])
   assert max(procs.losses(procs.metric_rows(str(tmp_path / "b" / "metrics.jsonl")))) < 200  # stopped early
+
+
+def test_fault_trial_resumes_bit_identical_after_random_kills():
+  """A small run of end_to_end/fault_trial.py (the README reports 20 trials of each kind)."""
+  trial = os.path.join(procs.REPO, "end_to_end", "fault_trial.py")
+  proc = subprocess.run(
+    [sys.executable, trial, "--trials", "2", "--storage", "local", "--processes", "1", "--seed", "3"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert "2/2 resumed bit-identical (1 process on local" in proc.stdout, proc.stdout

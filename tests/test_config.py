@@ -117,6 +117,27 @@ def test_mesh_fill_and_derived_values():
     (["learning_rate_final_fraction=2"], 1, "learning_rate_final_fraction must be in [0, 1], got 2.0"),
     (["z_loss_multiplier=-1e-4"], 1, "z_loss_multiplier must be in [0, inf), got -0.0001"),
     (["load_balance_loss_weight=-1"], 1, "load_balance_loss_weight must be in [0, inf), got -1.0"),
+    (["enable_emergency_checkpoint=true"], 1, "needs local_checkpoint_directory, a directory on each host's"),
+    (
+      ["enable_emergency_checkpoint=true", "local_checkpoint_directory=/tmp/l", "local_checkpoint_period=0"],
+      1,
+      "needs local_checkpoint_period > 0 (got 0)",
+    ),
+    (
+      ["enable_emergency_checkpoint=true", "local_checkpoint_directory=gs://bucket/l", "local_checkpoint_period=5"],
+      1,
+      "a directory on each host's own disk (got 'gs://bucket/l')",
+    ),
+    (
+      ["enable_emergency_checkpoint=true", "local_checkpoint_directory=/tmp/l", "local_checkpoint_period=5"],
+      2,
+      "needs at least 2 data-parallel replicas on the data axis",
+    ),
+    (
+      ["enable_emergency_checkpoint=true", "enable_checkpointing=false", "local_checkpoint_directory=/tmp/l"],
+      1,
+      "enable_emergency_checkpoint=true needs enable_checkpointing=true",
+    ),
   ],
 )
 def test_bad_input_is_one_clear_error(overrides, num_devices, fragment):

@@ -98,6 +98,31 @@ def test_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
   assert all(r["moe_dropped_fraction"] == 0.0 for r in rows)  # capacity_factor=-1: nothing dropped
 
 
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    ("ici_fsdp_parallelism=8",),
+    ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
+    ("ici_sequence_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"),
+  ],
+  ids=["fsdp8", "tensor2_fsdp4", "sequence2_data2_fsdp2"],
+)
+def test_sparse_matmul_moe_equals_the_dense_dispatch_on_one_device(tmp_path, moe_reference, mesh):
+  """Dropless grouped matmuls (each batch shard sorting its own tokens) train like one-hot dispatch on 1 device."""
+  rows = _run(tmp_path, 8, *MOE, "sparse_matmul=true", "per_device_batch_size=1", *mesh)
+  losses, grad_norms = _losses(rows)
+  np.testing.assert_allclose(losses, moe_reference[0], rtol=1e-5)
+  np.testing.assert_allclose(grad_norms, moe_reference[1], rtol=1e-5)
+  assert all(r["moe_dropped_fraction"] == 0.0 for r in rows)
+
+
+def test_sparse_matmul_drops_per_expert_per_batch_shard_and_refuses_expert_parallelism(tmp_path):
+  rows = _run(tmp_path, 1, *MOE, "sparse_matmul=true", "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
+  assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
+  with pytest.raises(ConfigError, match=r"sparse_matmul=true does not split experts over devices yet"):
+    _run(tmp_path, 8, *MOE, "sparse_matmul=true", "per_device_batch_size=1", "ici_expert_parallelism=4")
+
+
 # Router probabilities of 4 tokens over 3 experts (no ties), given as logits = log(p).
 PROBS = np.array([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.15, 0.8, 0.05], [0.25, 0.15, 0.6]], np.float32)
 
@@ -131,8 +156,9 @@ def test_small_capacity_drops_later_choices_first_and_counts_them():
   assert expert_capacity(seq_len=64, num_experts=4, top_k=2, capacity_factor=-1) == 64
 
 
-def test_moe_block_equals_per_token_loop():
-  config = make_config(*MOE, "max_target_length=16")
+@pytest.mark.parametrize("sparse", ["false", "true"])
+def test_moe_block_equals_per_token_loop(sparse):
+  config = make_config(*MOE, "max_target_length=16", f"sparse_matmul={sparse}")
   x = jax.random.normal(jax.random.key(1), (2, 16, 64))
   mask = jnp.ones((2, 16), bool)
   block = MoeBlock(config)

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
 from MaxLite.layers.linears import DenseGeneral, cast_weight
+from MaxLite.layers.moe_sparse import sparse_experts
 from MaxLite.layers.quantities import dtype_of
 
 # Dispatched activations: [experts, batch, capacity, features]. Their batch must not use the expert
@@ -45,6 +46,26 @@ def load_balance_loss(stats: dict) -> jax.Array:
   return assigned.shape[-1] * jnp.sum(share * mean_prob, axis=-1)
 
 
+def choose_experts(
+  router_logits: jax.Array, token_mask: jax.Array, top_k: int, normalize_top_k: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+  """Top-k softmax routing -> (weights [b,s,k], experts [b,s,k], choice [b,s,k,e] 0/1 of real tokens, routing
+  sums without the dropped count; see load_balance_loss)."""
+  e = router_logits.shape[-1]
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)  # [b, s, k]
+  if normalize_top_k:  # Mixtral and Qwen3 (norm_topk_prob) renormalise the chosen k to sum to 1
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
+  stats = {
+    "assigned": jnp.sum(choice, axis=(0, 1, 2)),
+    "prob_sum": jnp.sum(probs * token_mask[..., None], axis=(0, 1)),
+    "tokens": jnp.sum(token_mask),
+    "routed": jnp.sum(choice),
+  }
+  return weights, experts, choice, stats
+
+
 def route(
   router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity: int, normalize_top_k: bool = True
 ) -> tuple:
@@ -57,11 +78,7 @@ def route(
   have priority), and within one rank earlier positions in the sequence win.
   """
   b, s, e = router_logits.shape
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, top_k)  # [b, s, k]
-  if normalize_top_k:  # Mixtral and Qwen3 (norm_topk_prob) renormalise the chosen k to sum to 1
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
+  weights, _, choice, stats = choose_experts(router_logits, token_mask, top_k, normalize_top_k)
   by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * s, e)
   slot = (jnp.cumsum(by_rank, axis=1) - 1.0) * by_rank  # 0-based slot in the chosen expert
   kept = by_rank * (slot < capacity)
@@ -69,15 +86,7 @@ def route(
   per_rank = jnp.swapaxes(slot_one_hot.reshape(b, top_k, s, e, capacity), 1, 2)  # [b, s, k, e, c]
   dispatch = jnp.sum(per_rank, axis=2)
   combine = jnp.einsum("bsk,bskec->bsec", weights, per_rank)
-  routed = jnp.sum(choice)
-  stats = {
-    "assigned": jnp.sum(choice, axis=(0, 1, 2)),
-    "prob_sum": jnp.sum(probs * token_mask[..., None], axis=(0, 1)),
-    "tokens": jnp.sum(token_mask),
-    "routed": routed,
-    "dropped": routed - jnp.sum(kept),
-  }
-  return dispatch, combine, stats
+  return dispatch, combine, {**stats, "dropped": stats["routed"] - jnp.sum(kept)}
 
 
 class MoeBlock(nn.Module):
@@ -93,10 +102,6 @@ class MoeBlock(nn.Module):
     router_logits = DenseGeneral(
       n, ("embed", None), dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
     )(x)
-    capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
-    dispatch, combine, aux = route(
-      router_logits, token_mask.astype(jnp.float32), cfg.num_experts_per_tok, capacity, cfg.norm_topk_prob
-    )
 
     def kernel(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
       init = nn.initializers.variance_scaling(
@@ -107,6 +112,14 @@ class MoeBlock(nn.Module):
     wi_0 = kernel("wi_0", (n, emb, mlp), ("exp", "embed", "mlp"))
     wi_1 = kernel("wi_1", (n, emb, mlp), ("exp", "embed", "mlp"))
     wo = kernel("wo", (n, mlp, emb), ("exp", "mlp", "embed"))
+    mask = token_mask.astype(jnp.float32)
+    if cfg.sparse_matmul:
+      weights, experts, _, aux = choose_experts(router_logits, mask, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+      y, dropped = sparse_experts(x.astype(dtype), weights, experts, mask, wi_0, wi_1, wo, cfg.capacity_factor)
+      y = nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
+      return checkpoint_name(y, "mlpwo"), {**aux, "dropped": dropped}
+    capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
+    dispatch, combine, aux = route(router_logits, mask, cfg.num_experts_per_tok, capacity, cfg.norm_topk_prob)
 
     tokens = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(dtype), x.astype(dtype))
     tokens = nn.with_logical_constraint(tokens, EXPERT_ACTIVATION)
