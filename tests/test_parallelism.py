@@ -104,8 +104,10 @@ def test_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
     ("ici_fsdp_parallelism=8",),
     ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
     ("ici_sequence_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"),
+    ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"),
   ],
-  ids=["fsdp8", "tensor2_fsdp4", "sequence2_data2_fsdp2"],
+  ids=["fsdp8", "tensor2_fsdp4", "sequence2_data2_fsdp2", "expert4_fsdp2", "expert2_tensor2_fsdp2"],
 )
 def test_sparse_matmul_moe_equals_the_dense_dispatch_on_one_device(tmp_path, moe_reference, mesh):
   """Dropless grouped matmuls (each batch shard sorting its own tokens) train like one-hot dispatch on 1 device."""
@@ -116,11 +118,15 @@ def test_sparse_matmul_moe_equals_the_dense_dispatch_on_one_device(tmp_path, moe
   assert all(r["moe_dropped_fraction"] == 0.0 for r in rows)
 
 
-def test_sparse_matmul_drops_per_expert_per_batch_shard_and_refuses_expert_parallelism(tmp_path):
+def test_sparse_matmul_drops_per_expert_per_batch_shard(tmp_path):
   rows = _run(tmp_path, 1, *MOE, "sparse_matmul=true", "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
   assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
-  with pytest.raises(ConfigError, match=r"sparse_matmul=true does not split experts over devices yet"):
-    _run(tmp_path, 8, *MOE, "sparse_matmul=true", "per_device_batch_size=1", "ici_expert_parallelism=4")
+  # Expert parallelism with a send buffer of a quarter of each peer's even share: rows that do not fit are dropped.
+  small_buffer = ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "ragged_buffer_factor=0.25")
+  rows = _run(
+    tmp_path, 8, *MOE, "sparse_matmul=true", "per_device_batch_size=1", "steps=2", "run_name=b", *small_buffer
+  )
+  assert all(0.5 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
 
 
 # Router probabilities of 4 tokens over 3 experts (no ties), given as logits = log(p).

@@ -115,7 +115,9 @@ class MoeBlock(nn.Module):
     mask = token_mask.astype(jnp.float32)
     if cfg.sparse_matmul:
       weights, experts, _, aux = choose_experts(router_logits, mask, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-      y, dropped = sparse_experts(x.astype(dtype), weights, experts, mask, wi_0, wi_1, wo, cfg.capacity_factor)
+      y, dropped = sparse_experts(
+        x.astype(dtype), weights, experts, mask, wi_0, wi_1, wo, cfg.capacity_factor, cfg.ragged_buffer_factor
+      )
       y = nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
       return checkpoint_name(y, "mlpwo"), {**aux, "dropped": dropped}
     capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)

@@ -22,8 +22,6 @@ from flax.linen import partitioning as nn_partitioning
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxLite.errors import ConfigError
-
 
 def _mesh_axes(name: str, mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
   found = dict(nn_partitioning.get_axis_rules()).get(name)
@@ -38,6 +36,63 @@ def shard_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: f
   return max(1, math.ceil(tokens * top_k * capacity_factor / num_experts))
 
 
+def _sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(order, sorted ids, group sizes [num_experts]) of rows tagged with expert ids; ids == num_experts (no expert)
+  sort last and are in no group."""
+  order = jnp.argsort(expert_ids, stable=True)  # earlier rows first within an expert
+  sizes = jnp.bincount(expert_ids, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return order, expert_ids[order], sizes
+
+
+def _swiglu(
+  rows: jax.Array, sizes: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, tensor_axes: tuple[str, ...]
+) -> jax.Array:
+  """Rows grouped by expert (group sizes `sizes`) through their expert's SwiGLU; rows past the groups give 0."""
+  gate = checkpoint_name(jax.lax.ragged_dot(rows, wi_0, sizes), "moe_mlpwi_0")
+  up = checkpoint_name(jax.lax.ragged_dot(rows, wi_1, sizes), "moe_mlpwi_1")
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, sizes, preferred_element_type=jnp.float32)
+  if tensor_axes:  # each tensor shard holds a slice of mlp: the down projection's partial sums add up
+    out = jax.lax.psum(out, tensor_axes)
+  return checkpoint_name(out.astype(rows.dtype), "moe_mlpwo")
+
+
+def _on_expert_shards(
+  rows: jax.Array,
+  sorted_expert: jax.Array,
+  sizes: jax.Array,
+  weights: tuple[jax.Array, ...],
+  expert_axes: tuple[str, ...],
+  tensor_axes: tuple[str, ...],
+  peers: int,
+  buffer_factor: float,
+) -> tuple[jax.Array, jax.Array]:
+  """Expert parallelism: rows sorted by global expert go to the shard that holds their expert (all_to_all into
+  a buffer of `slots` rows per peer), through its experts, and back. (out rows, rows that did not fit)."""
+  n, d = rows.shape
+  local_experts = weights[0].shape[0]
+  slots = n if buffer_factor <= 0 else max(1, math.ceil(n * buffer_factor / peers))  # n: no row can be left out
+  dest = sorted_expert // local_experts  # == peers for rows of no expert
+  per_peer = sizes.reshape(peers, local_experts).sum(axis=1)
+  slot = jnp.arange(n) - (jnp.cumsum(per_peer) - per_peer)[jnp.minimum(dest, peers - 1)]
+  sent = (dest < peers) & (slot < slots)
+  where_to = (jnp.where(sent, dest, peers), jnp.where(sent, slot, 0))  # out of range: mode="drop" skips them
+  send = jnp.zeros((peers, slots, d), rows.dtype).at[where_to].set(rows, mode="drop")
+  ids = (
+    jnp.full((peers, slots), local_experts, jnp.int32)
+    .at[where_to]
+    .set((sorted_expert % local_experts).astype(jnp.int32), mode="drop")
+  )
+  got = jax.lax.all_to_all(send, expert_axes, 0, 0).reshape(peers * slots, d)
+  got_ids = jax.lax.all_to_all(ids, expert_axes, 0, 0).reshape(peers * slots)
+  order, _, local_sizes = _sort_by_expert(got_ids, local_experts)
+  done = _swiglu(got[order], local_sizes, *weights, tensor_axes)
+  back = jnp.zeros_like(done).at[order].set(done).reshape(peers, slots, d)
+  back = jax.lax.all_to_all(back, expert_axes, 0, 0)
+  out = jnp.where(sent[:, None], back.at[where_to].get(mode="fill", fill_value=0), 0)
+  lost = jnp.sum((dest < peers) & ~sent).astype(jnp.float32)
+  return out, lost
+
+
 def _experts_on_shard(
   x: jax.Array,
   weights: jax.Array,
@@ -47,34 +102,36 @@ def _experts_on_shard(
   wi_1: jax.Array,
   wo: jax.Array,
   *,
+  num_experts: int,
   capacity_factor: float,
   tensor_axes: tuple[str, ...],
+  expert_axes: tuple[str, ...] = (),
+  peers: int = 1,
+  buffer_factor: float = -1.0,
 ) -> tuple[jax.Array, jax.Array]:
   """One shard: x [b, s, d], weights/experts [b, s, k], token_mask [b, s] -> (y [b, s, d], dropped pairs)."""
   b, s, d = x.shape
-  k, num_experts = experts.shape[-1], wi_0.shape[0]
+  k = experts.shape[-1]
   tokens = b * s
   real = jnp.repeat(token_mask.reshape(tokens) > 0, k)
-  expert_of_pair = jnp.where(real, experts.reshape(tokens * k), num_experts)  # padding: past the last group
-  order = jnp.argsort(expert_of_pair, stable=True)  # earlier tokens first within an expert
-  sorted_expert = expert_of_pair[order]
-  group_sizes = jnp.bincount(expert_of_pair, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  order, sorted_expert, sizes = _sort_by_expert(jnp.where(real, experts.reshape(tokens * k), num_experts), num_experts)
   pair_weight = jnp.where(real, weights.reshape(tokens * k), 0.0)[order]
   dropped = jnp.zeros((), jnp.float32)
   capacity = shard_capacity(tokens, num_experts, k, capacity_factor)
   if capacity is not None:
-    starts = jnp.cumsum(group_sizes) - group_sizes
+    starts = jnp.cumsum(sizes) - sizes
     rank = jnp.arange(tokens * k) - starts[jnp.minimum(sorted_expert, num_experts - 1)]
-    kept = (rank < capacity) | (sorted_expert == num_experts)
-    dropped = jnp.sum(~kept).astype(jnp.float32)
+    kept = rank < capacity
+    dropped = jnp.sum(~kept & (sorted_expert < num_experts)).astype(jnp.float32)
     pair_weight = jnp.where(kept, pair_weight, 0.0)
   rows = x.reshape(tokens, d)[order // k]
-  gate = checkpoint_name(jax.lax.ragged_dot(rows, wi_0, group_sizes), "moe_mlpwi_0")
-  up = checkpoint_name(jax.lax.ragged_dot(rows, wi_1, group_sizes), "moe_mlpwi_1")
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, group_sizes, preferred_element_type=jnp.float32)
-  if tensor_axes:  # each tensor shard holds a slice of mlp: the down projection's partial sums add up
-    out = jax.lax.psum(out, tensor_axes)
-  out = checkpoint_name(out.astype(x.dtype), "moe_mlpwo")
+  if expert_axes:
+    out, lost = _on_expert_shards(
+      rows, sorted_expert, sizes, (wi_0, wi_1, wo), expert_axes, tensor_axes, peers, buffer_factor
+    )
+    dropped = dropped + lost
+  else:
+    out = _swiglu(rows, sizes, wi_0, wi_1, wo, tensor_axes)
   weighted = out * pair_weight[:, None].astype(x.dtype)
   y = jnp.zeros((tokens, d), x.dtype).at[order // k].add(weighted)
   return y.reshape(b, s, d), dropped
@@ -89,23 +146,40 @@ def sparse_experts(
   wi_1: jax.Array,
   wo: jax.Array,
   capacity_factor: float,
+  buffer_factor: float = -1.0,
 ) -> tuple[jax.Array, jax.Array]:
   """(y [b, s, d], dropped (token, expert) pairs): sum_k weights * SwiGLU_{experts}(x), every shard on its own
-  tokens. Weights [experts, embed, mlp] / [experts, mlp, embed]."""
+  tokens. Weights [experts, embed, mlp] / [experts, mlp, embed]. With experts split over devices, each pair
+  travels to its expert's shard in a buffer of rows per peer: ragged_buffer_factor x its even share (<= 0:
+  room for all, so nothing is dropped)."""
   mesh = jax.sharding.get_abstract_mesh()
+  num_experts = wi_0.shape[0]
   if mesh is None or mesh.empty:
     return _experts_on_shard(
-      x, weights, experts, token_mask, wi_0, wi_1, wo, capacity_factor=capacity_factor, tensor_axes=()
-    )
-  if _mesh_axes("exp", mesh):
-    raise ConfigError(
-      "sparse_matmul=true does not split experts over devices yet (ici/dcn_expert_parallelism > 1): use "
-      "sparse_matmul=false for expert parallelism"
+      x,
+      weights,
+      experts,
+      token_mask,
+      wi_0,
+      wi_1,
+      wo,
+      num_experts=num_experts,
+      capacity_factor=capacity_factor,
+      tensor_axes=(),
     )
   batch, length = _mesh_axes("activation_batch", mesh), _mesh_axes("activation_length", mesh)
-  mlp = _mesh_axes("mlp", mesh)
+  mlp, exp = _mesh_axes("mlp", mesh), _mesh_axes("exp", mesh)
+  peers = math.prod(mesh.shape[a] for a in exp)
   tokens = PartitionSpec(batch or None, length or None)
-  body = functools.partial(_experts_on_shard, capacity_factor=capacity_factor, tensor_axes=mlp)
+  body = functools.partial(
+    _experts_on_shard,
+    num_experts=num_experts,
+    capacity_factor=capacity_factor,
+    tensor_axes=mlp,
+    expert_axes=exp,
+    peers=peers,
+    buffer_factor=buffer_factor,
+  )
   y, dropped = jax.shard_map(
     lambda *a: _summed(body, batch + length, *a),
     mesh=mesh,
@@ -114,9 +188,9 @@ def sparse_experts(
       tokens,
       tokens,
       tokens,
-      PartitionSpec(None, None, mlp or None),
-      PartitionSpec(None, None, mlp or None),
-      PartitionSpec(None, mlp or None, None),
+      PartitionSpec(exp or None, None, mlp or None),
+      PartitionSpec(exp or None, None, mlp or None),
+      PartitionSpec(exp or None, mlp or None, None),
     ),
     out_specs=(PartitionSpec(batch or None, length or None, None), PartitionSpec()),
     check_vma=False,
