@@ -171,7 +171,7 @@ class _ObjectLock:
   def __init__(self, config: Config):
     self.path = lock_path(config)
     self._record = _record()
-    self._mutex = threading.Lock()  # the heartbeat thread and check() both read and write _generation/_lost
+    self._mutex = threading.Lock()  # the heartbeat thread and lost() both read and write _generation/_lost
     self._lost: str | None = None
     try:
       self._generation = self._take(config)
@@ -247,7 +247,11 @@ class _ObjectLock:
     """Why this run no longer holds its lock, or None while it does (asks the bucket)."""
     with self._mutex:
       if self._lost is None:
-        by = self._taken_by()
+        try:
+          by = self._taken_by()
+        except Exception as e:  # the bucket did not answer: the heartbeat's conditional writes still guard it
+          logging.warning("%s: could not read the lock before saving (%s)", self.path, first_line(e, with_type=True))
+          by = None
         if by is not None:
           self._lose(by)
       return self._lost
