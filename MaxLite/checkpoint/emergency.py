@@ -100,18 +100,24 @@ class EmergencyCheckpoints:
       return sorted(set(self._state.all_steps()) & set(self._data.all_steps()))
 
   def save(self, step: int, state: Any, data_iterator: Any, config: Config, force: bool) -> None:
-    """Saves `step` on the tiers whose period it is (both when `force`: the last step, a preemption)."""
-    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+    """Saves `step` on the tiers whose period it is (both when `force`: the last step, a preemption). The data
+    positions go first, so a state step cut short by a kill is never found without them."""
     with _no_mesh():
-      saved = self._state.save(step, args=args, force=force)
-    if saved:
+      if not (force or self._state.should_save(step)):
+        return
+    if step not in self._data.all_steps():  # else a killed run wrote them before its state: the same positions
       data = {DATA_ITER: DataIteratorSave(data_iterator.get_state()), CONFIG: ConfigSave(config.to_dict())}
       self._data.save(step, args=ocp.args.Composite(**data), force=True)
+    with _no_mesh():
+      self._state.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), force=force)
 
   def restore_newest(self, data_iterator: Any, check: Callable[[str], None]) -> tuple[Any, int] | None:
     """(state, step) of the newest step some replica or the persistent directory holds, the same on every
     process; None when there is none. `check(step_dir)` compares the config the step was saved with."""
-    steps = agreement.process_0s(sorted(self.all_steps(), reverse=True))
+    with _no_mesh():
+      state_steps, data_steps = sorted(self._state.all_steps()), sorted(self._data.all_steps())
+    logging.info("emergency checkpoints: state steps %s, data position steps %s", state_steps, data_steps)
+    steps = agreement.process_0s(sorted(set(state_steps) & set(data_steps), reverse=True))
     if not steps:
       return None
     step = steps[0]
