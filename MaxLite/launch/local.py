@@ -140,7 +140,9 @@ def launch(num_processes: int, devices_per_process: int, train_args: Sequence[st
       codes = [w.proc.poll() for w in workers]
       failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
       if failed and not forwarded:
-        _report_failure(failed[0], sys.stderr)
+        # A process killed by a signal is the cause; its peers then fail on the lost connection, sometimes within the
+        # same poll, so it is the one to report.
+        _report_failure(min(failed, key=lambda w: (w.proc.returncode >= 0, w.index)), sys.stderr)
         _stop(workers, signal.SIGTERM)
         break
       if all(c is not None for c in codes):
