@@ -102,6 +102,12 @@ class LocalGCS:
     with urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o/{quoted}?alt=media", timeout=10) as response:
       return response.read()
 
+  def delete(self, bucket: str, name: str) -> None:
+    quoted = urllib.parse.quote(name, safe="")
+    request = urllib.request.Request(f"{self.url}/storage/v1/b/{bucket}/o/{quoted}", method="DELETE")
+    with urllib.request.urlopen(request, timeout=10):
+      pass
+
   def upload(self, bucket: str, name: str, data: bytes) -> None:
     quoted = urllib.parse.quote(name, safe="")
     request = urllib.request.Request(

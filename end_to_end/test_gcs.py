@@ -396,14 +396,11 @@ def _local_steps(folder):
   return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
 
 
-@pytest.mark.skip(
-  reason="known bug (issue 24 left open): a kill can leave a local step that orbax does not restore but will not "
-  "save over; the resumed job then stops at that step (StepAlreadyExistsError on the replica that has it)"
-)
-def test_emergency_checkpoints_resume_from_a_local_step_and_without_a_lost_host(gcs, tmp_path):
+def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_positions(gcs, tmp_path):
   """2 processes x 4 devices, each process one data replica with its own local directory; persistent steps on
   the bucket. Killed after a local save newer than the persistent one, the job resumes from that local step;
-  with process 1's local directory gone (a replaced host), from what is left. Both equal the uninterrupted run."""
+  with process 1's local directory gone (a replaced host), from what is left; with that step's data positions
+  gone, from the step before, saving over the leftover local step. All equal the uninterrupted run."""
   log = str(tmp_path / "launch.log")
   plain = procs.launch_command(2, 4, *EMERGENCY_LAYOUT, f"base_output_directory={tmp_path}", "run_name=ref")
   assert procs.run(plain, log) == 0, procs.tail(log)
@@ -417,7 +414,7 @@ def test_emergency_checkpoints_resume_from_a_local_step_and_without_a_lost_host(
     "local_checkpoint_period=2",
     "checkpoint_period=8",
   )
-  for run, lose_host in (("em", False), ("em_lost", True)):
+  for run, loss in (("em", None), ("em_lost", "host"), ("em_no_positions", "positions")):
     command = procs.launch_command(2, 4, *emergency, f"run_name={run}")
     launcher = _start(gcs, command, log)
     replica_1 = str(local / run / "process_1")
@@ -426,14 +423,25 @@ def test_emergency_checkpoints_resume_from_a_local_step_and_without_a_lost_host(
     local_steps, persistent = _local_steps(replica_1), _finalized(gcs, run)
     procs.kill_group(launcher, signal.SIGKILL)
     assert max(local_steps) > max(persistent), (local_steps, persistent)
-    if lose_host:
+    if loss == "host":
       shutil.rmtree(replica_1)
+    if loss == "positions":  # the newest local step is left without them, as a kill between the two saves would
+      prefix = f"runs/{run}/data_positions/{max(local_steps)}/"
+      for name in gcs.objects(BUCKET, prefix):
+        gcs.delete(BUCKET, name)
     start = len(open(log, encoding="utf-8").read())
     assert _run(gcs, command, log) == 0, procs.tail(log)
     with open(log, encoding="utf-8") as f:
       resumed = f.read()[start:]
     steps = {int(m) for m in re.findall(r"resumed from checkpoint at step (\d+)", resumed)}
     assert resumed.count("resumed from checkpoint at step") == 2 and len(steps) == 1, resumed[-3000:]  # agreed
-    # A local step that a kill left unfinished is not counted: the persistent step is the fallback.
-    assert steps <= ({max(persistent)} if lose_host else {max(local_steps), max(persistent)}), (steps, local_steps)
+    if loss is None:
+      expected = max(local_steps)
+    elif loss == "host":
+      expected = max(persistent)
+    else:  # the newest local step is unusable: the step before it, local or persistent
+      expected = max(s for s in local_steps + persistent if s < max(local_steps))
+    assert steps == {expected}, (steps, local_steps, persistent)
+    if loss == "positions":  # and process 1 deleted its local step, which the resumed run saved again
+      assert f"deleting local step {max(local_steps)}" in resumed, resumed[-3000:]
     assert _bucket_losses(gcs, run) == straight  # bit for bit

@@ -15,6 +15,8 @@ persistent, so every restorable step has them.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +46,11 @@ def local_directory(config: Config) -> str:
   machine) never read each other's files as their own."""
   root = paths.absolute(config.local_checkpoint_directory)
   return paths.join(root, config.run_name, f"process_{jax.process_index()}")
+
+
+def _step_numbers(folder: str) -> list[int]:
+  """Finished steps in a local directory (orbax names a step's folder by its number once it is complete)."""
+  return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
 
 
 def _no_mesh() -> Any:
@@ -118,6 +125,7 @@ class EmergencyCheckpoints:
       state_steps, data_steps = sorted(self._state.all_steps()), sorted(self._data.all_steps())
     logging.info("emergency checkpoints: state steps %s, data position steps %s", state_steps, data_steps)
     steps = agreement.process_0s(sorted(set(state_steps) & set(data_steps), reverse=True))
+    self._drop_local_steps_after(steps[0] if steps else None)
     if not steps:
       return None
     step = steps[0]
@@ -132,6 +140,20 @@ class EmergencyCheckpoints:
     )
     data_iterator.set_state(select_iterator_state(positions[DATA_ITER], str(step)))
     return state, step
+
+  def _drop_local_steps_after(self, step: int | None) -> None:
+    """Deletes this process's local steps newer than `step`, the one every process resumes from (None: all).
+
+    A kill can leave such a step on one replica only (its data positions or its peers' shards never written).
+    The resumed run saves that step number again, and orbax refuses to save over a step it finds on disk."""
+    local = local_directory(self.config)
+    stale = [s for s in _step_numbers(local) if step is None or s > step]
+    for s in stale:
+      logging.warning("emergency checkpoints: deleting local step %d, newer than the step resumed from (%s)", s, step)
+      shutil.rmtree(os.path.join(local, str(s)))
+    with _no_mesh():
+      self._state.reload()
+      self._state.all_steps()  # collective: every process refreshes orbax's cached newest local step
 
   def is_saving_in_progress(self) -> bool:
     # Orbax's emergency manager cannot be asked; saying "yes" leaves a failed save to be reported at the next
