@@ -230,6 +230,16 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
     )
 
 
+def _check_megablox(c: dict[str, Any], platform: str) -> None:
+  if not (c["megablox"] and c["sparse_matmul"]) or c["num_experts"] == 1:
+    return
+  if platform not in ("tpu", "cpu"):
+    raise ConfigError(
+      f"megablox=true is a TPU kernel (interpreted on CPU for tests); this run's devices are {platform}: "
+      "use megablox=false (jax.lax.ragged_dot)"
+    )
+
+
 def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
   n = c["num_vocab_tiling"]
   if n > 1 and c["max_target_length"] % (n * sequence_shards):
@@ -373,6 +383,7 @@ def validate_and_derive(
   head_shards = _activation_shards(c["logical_axis_rules"], "activation_heads", mesh)
   kernel, kernel_reason = attention_choice.choose_attention(c, platform, sequence_shards, head_shards)
   _check_vocab_tiling(c, sequence_shards)
+  _check_megablox(c, platform)
 
   run_name = c["run_name"] or default_run_name()
   run_dir = paths.join(paths.absolute(c["base_output_directory"]), run_name)
@@ -402,5 +413,6 @@ def validate_and_derive(
     attention_choice=kernel_reason,
     # Off TPU the splash kernel runs in Pallas interpret mode (same numerics, for tests and CPU runs).
     attention_interpret=kernel == "splash" and platform != "tpu",
+    megablox_interpret=c["megablox"] and platform != "tpu",  # Pallas interpret mode: same numerics, slower
   )
   return c

@@ -131,7 +131,7 @@ def test_bad_inputs_are_one_clear_line(tmp_path):
   with open(os.path.join(path, "config.json")) as f:
     hf = json.load(f)
   for change, fragment in (
-    ({"architectures": ["MixtralForCausalLM"]}, "architecture 'MixtralForCausalLM' is not supported"),
+    ({"architectures": ["PhiForCausalLM"]}, "architecture 'PhiForCausalLM' is not supported"),
     (
       {"intermediate_size": 128},
       r"'decoder.layers.mlp.wi_0.kernel' has shape \(3, 64, 160\) "

@@ -1,5 +1,5 @@
-"""Llama 3.1/3.2 (rope scaling), YaRN, Qwen2.5 (q/k/v biases), Qwen3 (q/k norm) and Qwen3-MoE from transformers:
-converted weights give transformers' logits and greedy tokens, and export back bit for bit."""
+"""Llama 3.1/3.2 (rope scaling), YaRN, Qwen2.5 (q/k/v biases), Qwen3 (q/k norm), Qwen3-MoE and Mixtral from
+transformers: converted weights give transformers' logits and greedy tokens, and export back bit for bit."""
 
 import json
 import os
@@ -34,6 +34,8 @@ VARIANTS = {
     dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False),
     dict(rope_type="default"),
   ),
+  # no q/k norm: exports as Mixtral; its router (mlp.gate.weight in transformers' modules) is perturbed too
+  "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2), dict(rope_type="default")),
 }
 
 
@@ -178,6 +180,24 @@ PUBLISHED_CONFIGS = {
     decoder_sparse_step=1,
     mlp_only_layers=[],
   ),
+  "mixtral-8x7b": dict(
+    architectures=["MixtralForCausalLM"],
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=32,
+    rms_norm_eps=1e-05,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    hidden_act="silu",
+    sliding_window=None,
+    tie_word_embeddings=False,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.02,
+  ),
 }
 LLAMA_3_2_1B = PUBLISHED_CONFIGS["llama3.2-1b"]
 
@@ -205,6 +225,11 @@ def test_shipped_model_configs_hold_the_published_config_json_values(model_name)
       r"sliding_window=4096 is not supported .* set \"sliding_window\": null",
     ),
     ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling.factor is missing"),
+    (
+      {"architectures": ["MixtralForCausalLM"], "sliding_window": 4096},
+      r"sliding_window=4096 is not supported .* set \"sliding_window\": null",
+    ),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 1}, r"1 expert\(s\); a MoE model needs at least 2"),
   ],
 )
 def test_unsupported_variants_are_one_line_naming_the_field(change, fragment):
@@ -240,6 +265,7 @@ PUBLISHED_PARAMETERS = {
   "qwen3-0.6b": 596_049_920,
   "qwen3-8b": 8_190_735_360,
   "qwen3-30b-a3b": 30_532_122_624,
+  "mixtral-8x7b": 46_702_792_704,
 }
 
 

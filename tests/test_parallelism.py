@@ -54,7 +54,7 @@ def dense_reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
-  return _losses(_run(tmp_path_factory.mktemp("moe"), 1, *MOE, "per_device_batch_size=8"))
+  return _losses(_run(tmp_path_factory.mktemp("moe"), 1, *MOE, "sparse_matmul=false", "per_device_batch_size=8"))
 
 
 @pytest.mark.parametrize(
@@ -90,8 +90,8 @@ def test_dense_layouts_match_single_device(tmp_path, dense_reference, mesh):
   ],
   ids=["expert4_fsdp2", "stage2_expert2_fsdp2"],
 )
-def test_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
-  rows = _run(tmp_path, 8, *MOE, "per_device_batch_size=1", *mesh)
+def test_dispatch_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
+  rows = _run(tmp_path, 8, *MOE, "sparse_matmul=false", "per_device_batch_size=1", *mesh)
   losses, grad_norms = _losses(rows)
   np.testing.assert_allclose(losses, moe_reference[0], rtol=1e-5)
   np.testing.assert_allclose(grad_norms, moe_reference[1], rtol=1e-5)
@@ -106,12 +106,25 @@ def test_moe_layouts_match_single_device(tmp_path, moe_reference, mesh):
     ("ici_sequence_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"),
     ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
     ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"),
+    ("ici_expert_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
+    ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"),
+    ("megablox=false", "ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"),
   ],
-  ids=["fsdp8", "tensor2_fsdp4", "sequence2_data2_fsdp2", "expert4_fsdp2", "expert2_tensor2_fsdp2"],
+  ids=[
+    "fsdp8",
+    "tensor2_fsdp4",
+    "sequence2_data2_fsdp2",
+    "expert4_fsdp2",
+    "expert2_tensor2_fsdp2",
+    "expert4_data2",
+    "stage2_expert2_fsdp2",
+    "ragged_dot_expert2_tensor2_fsdp2",
+  ],
 )
 def test_sparse_matmul_moe_equals_the_dense_dispatch_on_one_device(tmp_path, moe_reference, mesh):
-  """Dropless grouped matmuls (each batch shard sorting its own tokens) train like one-hot dispatch on 1 device."""
-  rows = _run(tmp_path, 8, *MOE, "sparse_matmul=true", "per_device_batch_size=1", *mesh)
+  """Dropless grouped matmuls (each batch shard sorting its own tokens; megablox interpreted, the default, or
+  ragged_dot) train like one-hot dispatch on 1 device."""
+  rows = _run(tmp_path, 8, *MOE, "per_device_batch_size=1", *mesh)
   losses, grad_norms = _losses(rows)
   np.testing.assert_allclose(losses, moe_reference[0], rtol=1e-5)
   np.testing.assert_allclose(grad_norms, moe_reference[1], rtol=1e-5)
@@ -162,9 +175,9 @@ def test_small_capacity_drops_later_choices_first_and_counts_them():
   assert expert_capacity(seq_len=64, num_experts=4, top_k=2, capacity_factor=-1) == 64
 
 
-@pytest.mark.parametrize("sparse", ["false", "true"])
-def test_moe_block_equals_per_token_loop(sparse):
-  config = make_config(*MOE, "max_target_length=16", f"sparse_matmul={sparse}")
+@pytest.mark.parametrize("dispatch", [("sparse_matmul=false",), ("megablox=false",), ("megablox=true",)])
+def test_moe_block_equals_per_token_loop(dispatch):
+  config = make_config(*MOE, "max_target_length=16", "sparse_matmul=true", *dispatch)
   x = jax.random.normal(jax.random.key(1), (2, 16, 64))
   mask = jnp.ones((2, 16), bool)
   block = MoeBlock(config)
@@ -181,8 +194,43 @@ def test_moe_block_equals_per_token_loop(sparse):
   np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
+def _block_value_and_grads(layout, *dispatch):
+  """y and d(sum y * probe)/d(params, x) of tiny-moe's MoE block on 8 x 16 tokens (the last 3 of row 0 padding)."""
+  devices = 8 if layout else 1
+  config = make_config(*MOE, "max_target_length=16", *layout, *dispatch, num_devices=devices)
+  x = jax.random.normal(jax.random.key(1), (8, 16, 64))
+  mask = jnp.ones((8, 16), bool).at[0, -3:].set(False)
+  probe = jax.random.normal(jax.random.key(2), x.shape)
+  block = MoeBlock(config)
+  params = nn.unbox(block.init(jax.random.key(0), x, mask)["params"])
+
+  def objective(params, x):
+    y, _ = block.apply({"params": params}, x, mask)
+    return jnp.sum(y * probe), y
+
+  mesh = create_mesh(config, first_devices(devices))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    (_, y), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(params, x)
+  return y, grads
+
+
+@pytest.mark.parametrize("kernel", ["megablox=false", "megablox=true"])
+@pytest.mark.parametrize(
+  "layout",
+  [(), ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"), ("ici_expert_parallelism=4", "ici_data_parallelism=2")],
+  ids=["1device", "expert4_fsdp2", "expert4_data2"],
+)
+def test_sparse_moe_block_forward_and_gradients_equal_the_dense_dispatch(layout, kernel):
+  dense_y, dense_grads = _block_value_and_grads((), "sparse_matmul=false")
+  y, grads = _block_value_and_grads(layout, "sparse_matmul=true", kernel)
+  assert not np.any(np.asarray(y)[0, -3:])  # padding is not routed
+  # Sums over 128 tokens in another order: near-zero entries are compared at 1e-5 of their tensor's largest.
+  for got, want in zip(jax.tree.leaves((y, grads)), jax.tree.leaves((dense_y, dense_grads))):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_tiny_capacity_reports_dropped_tokens(tmp_path):
-  rows = _run(tmp_path, 1, *MOE, "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
+  rows = _run(tmp_path, 1, *MOE, "sparse_matmul=false", "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
   assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
   logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["moe_dropped_fraction"] for r in logged] == [r["moe_dropped_fraction"] for r in rows]
@@ -283,3 +331,18 @@ def test_sequence_parallelism_does_not_regather_activations():
   sequence = _compiled_temp_bytes("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2")
   print(f"compiled temp bytes per device: fsdp=8 {fsdp}, sequence=4 x fsdp=2 {sequence}")
   assert sequence < 1.5 * fsdp
+
+
+def test_megablox_is_compiled_on_tpu_interpreted_on_cpu_and_refused_on_gpu():
+  from MaxLite import config as config_lib
+  from MaxLite import derived
+
+  def derive(platform, *overrides):
+    raw = config_lib.load_raw([BASE_YML, *MOE, *overrides])
+    return derived.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform=platform)
+
+  assert not derive("tpu")["megablox_interpret"] and derive("cpu")["megablox_interpret"]
+  with pytest.raises(ConfigError, match="megablox=true is a TPU kernel .* devices are gpu: use megablox=false"):
+    derive("gpu")
+  derive("gpu", "megablox=false")
+  derive("gpu", "sparse_matmul=false")  # the one-hot dispatch has no grouped matmuls

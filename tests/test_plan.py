@@ -190,3 +190,32 @@ def test_a_collective_without_named_axes_is_costed_by_its_group():
   unnamed = dataclasses.replace(named, axes=())
   named = dataclasses.replace(named, axes=("fsdp",))
   assert net.seconds(unnamed) == pytest.approx(net.seconds(named))
+
+
+# Two grouped matmuls as XLA's TPU lowering of ragged_dot and the megablox kernel write them (the kernel body and
+# most attributes cut), next to another Pallas kernel.
+_KERNEL = (
+  '  %{name} = f32[1024,96]{{1,0}} custom-call(%p0, %p1), custom_call_target="tpu_custom_call", '
+  'metadata={{op_name="jit(step)/{op}"}}, '
+  'backend_config={{"custom_call_config":{{"cost_estimate":{{"flops":"12582912","transcendentals":"0"}}}}}}'
+)
+_GROUPED_HLO = "\n".join(
+  [
+    "ENTRY %main (p0: f32[1024,64], p1: f32[2,64,96]) -> (f32[1024,96], f32[1024,96], f32[1024,96]) {",
+    "  %p0 = f32[1024,64]{1,0} parameter(0)",
+    "  %p1 = f32[2,64,96]{2,1,0} parameter(1)",
+    _KERNEL.format(name="ragged-dot-none.7", op="moe/shard_map/ragged_dot_general/ragged-dot-none"),
+    _KERNEL.format(name="gmm", op="moe/shard_map/jit(tgmm)/pallas_call"),
+    _KERNEL.format(name="splash", op="attention/splash_mha_fwd"),
+    "  ROOT %t = (f32[1024,96]{1,0}, f32[1024,96]{1,0}, f32[1024,96]{1,0}) tuple(%ragged-dot-none.7, %gmm, %splash)",
+    "}",
+  ]
+)
+
+
+def test_grouped_matmul_kernels_are_told_apart_with_their_cost_estimates():
+  """The planner replaces grouped-matmul kernels' buffer-sized costs by the routed rows' FLOPs; it must find them
+  (and only them) and read their estimates."""
+  ops = {o.name: o for o in hlo_costs.device_ops(_GROUPED_HLO, ("data",), (1,))}
+  assert {n for n, o in ops.items() if o.grouped_matmul} == {"ragged-dot-none.7", "gmm"}
+  assert all(o.flops == 2 * 1024 * 64 * 96 for o in ops.values() if o.opcode == "custom-call")

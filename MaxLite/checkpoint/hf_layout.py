@@ -1,8 +1,9 @@
 """How Hugging Face checkpoints map onto MaxLite's model: config.json <-> model keys, tensor names <-> param paths.
 
 Pure data and reshapes, no I/O (hf.py streams the tensors). Supported: LlamaForCausalLM (rope_scaling llama3 and
-yarn included), MistralForCausalLM, Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (q/k RMSNorm) and
-Qwen3MoeForCausalLM (a sparse MoE block in every layer). Anything else a config.json asks for is refused by name.
+yarn included), MistralForCausalLM, Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (q/k RMSNorm),
+Qwen3MoeForCausalLM and MixtralForCausalLM (a sparse MoE block in every layer). Anything else a config.json asks for
+is refused by name.
 
 MaxLite's RoPE rotates the two halves of each head (the Hugging Face layout) and scales q by head_dim**-0.5
 inside attention, as transformers does, so q/k weights need no permutation: transposes and reshapes only.
@@ -23,12 +24,14 @@ ARCHITECTURES = (
   "Qwen2ForCausalLM",
   "Qwen3ForCausalLM",
   "Qwen3MoeForCausalLM",
+  "MixtralForCausalLM",
 )
 _MODEL_TYPE = {
   "LlamaForCausalLM": "llama",
   "Qwen2ForCausalLM": "qwen2",
   "Qwen3ForCausalLM": "qwen3",
   "Qwen3MoeForCausalLM": "qwen3_moe",
+  "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -58,7 +61,14 @@ def _fused(tensors: list[Tensor], path: str, axis: int) -> list[Tensor]:
 
 
 # transformers' defaults where config.json leaves a field out (each config class's own, not Llama's).
-_DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4}
+_DEFAULT_KV_HEADS = {
+  "MistralForCausalLM": 8,
+  "MixtralForCausalLM": 8,
+  "Qwen2ForCausalLM": 32,
+  "Qwen3ForCausalLM": 32,
+  "Qwen3MoeForCausalLM": 4,
+}
+_DEFAULT_WINDOW = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None}  # the others only with use_sliding_window
 _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 
 _SAME = (lambda w: w, lambda k: k)
@@ -117,7 +127,7 @@ def model_settings_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     raise InputError(f"{source}: attention_bias=true is not supported for {arch} (its o_proj would have a bias)")
   if hf.get("use_sliding_window"):
     raise InputError(f"{source}: use_sliding_window=true is not supported (MaxLite attends over the whole sequence)")
-  window = hf.get("sliding_window", 4096) if arch == "MistralForCausalLM" else None  # Mistral's own default
+  window = hf.get("sliding_window", _DEFAULT_WINDOW[arch]) if arch in _DEFAULT_WINDOW else None
   if window is not None:
     raise InputError(
       f"{source}: sliding_window={window} is not supported (MaxLite attends over the whole sequence); the model is "
@@ -140,6 +150,16 @@ def model_settings_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     "num_experts": 1,
     **_rope_settings(hf, source),
   }
+  if arch == "MixtralForCausalLM":
+    # Softmax over all experts, then the chosen k renormalised (norm_topk_prob); each expert is intermediate_size
+    # wide (base_moe_mlp_dim -1 = base_mlp_dim). router_aux_loss_coef is left out: it weights a training loss
+    # normalised differently from MaxLite's load_balance_loss_weight, a training setting rather than the model's.
+    settings.update(
+      num_experts=hf.get("num_local_experts", 8),
+      num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+      base_moe_mlp_dim=-1,
+      norm_topk_prob=True,
+    )
   if arch == "Qwen3MoeForCausalLM":
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
       raise InputError(
@@ -151,17 +171,26 @@ def model_settings_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
       base_moe_mlp_dim=hf["moe_intermediate_size"],
       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
+  if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM") and settings["num_experts"] < 2:
+    # MaxLite's num_experts=1 is the dense MLP: it has no router for this checkpoint's gate
+    raise InputError(f"{source}: {settings['num_experts']} expert(s); a MoE model needs at least 2")
   return settings
 
 
 def architecture_of(config: Any) -> str:
   """The transformers class that computes what this MaxLite model computes."""
   if config.num_experts > 1:
-    if not config.use_qk_norm or config.attention_bias:
+    if config.attention_bias:
       raise InputError(
-        "to_hf: a MoE model exports as Qwen3MoeForCausalLM, which needs use_qk_norm=true and attention_bias=false"
+        "to_hf: a MoE model exports as Qwen3MoeForCausalLM or MixtralForCausalLM, which need attention_bias=false"
       )
-    return "Qwen3MoeForCausalLM"
+    if config.use_qk_norm:
+      return "Qwen3MoeForCausalLM"
+    if not config.norm_topk_prob:  # Mixtral always renormalises; Qwen3-MoE's switch comes with q/k norm
+      raise InputError(
+        "to_hf: a MoE model without use_qk_norm exports as MixtralForCausalLM, which needs norm_topk_prob=true"
+      )
+    return "MixtralForCausalLM"
   if config.use_qk_norm and config.attention_bias:
     raise InputError("to_hf: no transformers architecture has both use_qk_norm and q/k/v-only attention_bias")
   if config.use_qk_norm:
@@ -218,6 +247,13 @@ def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | N
   }
   if arch == "LlamaForCausalLM":
     out.update(attention_bias=False, mlp_bias=False)
+  elif arch == "MixtralForCausalLM":  # no bias switches; its experts are intermediate_size wide
+    out.update(
+      intermediate_size=config.moe_mlp_dim,
+      sliding_window=None,
+      num_local_experts=config.num_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
+    )
   else:
     out.update(use_sliding_window=False, **({} if arch == "Qwen2ForCausalLM" else {"attention_bias": False}))
   if arch == "Qwen3MoeForCausalLM":
@@ -268,7 +304,15 @@ def layer_tensors(config: Any) -> list[Tensor]:
       Tensor("self_attention/query_norm/scale", "self_attn.q_norm.weight", *_SAME),
       Tensor("self_attention/key_norm/scale", "self_attn.k_norm.weight", *_SAME),
     ]
-  if config.num_experts > 1:
+  if config.num_experts > 1 and architecture_of(config) == "MixtralForCausalLM":
+    # The names transformers (5.x too, whose modules fuse the experts) saves and the Hub's Mixtral checkpoints use.
+    out += [
+      Tensor("moe/gate/kernel", "block_sparse_moe.gate.weight", *_TRANSPOSED),
+      Tensor("moe/wi_0", "block_sparse_moe.experts.{e}.w1.weight", *_TRANSPOSED),
+      Tensor("moe/wi_1", "block_sparse_moe.experts.{e}.w3.weight", *_TRANSPOSED),
+      Tensor("moe/wo", "block_sparse_moe.experts.{e}.w2.weight", *_TRANSPOSED),
+    ]
+  elif config.num_experts > 1:
     out += [
       Tensor("moe/gate/kernel", "mlp.gate.weight", *_TRANSPOSED),
       Tensor("moe/wi_0", "mlp.experts.{e}.gate_proj.weight", *_TRANSPOSED),

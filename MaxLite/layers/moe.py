@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
 from MaxLite.layers.linears import DenseGeneral, cast_weight
-from MaxLite.layers.moe_sparse import sparse_experts
+from MaxLite.layers.moe_sparse import GroupedMatmul, sparse_experts
 from MaxLite.layers.quantities import dtype_of
 
 # Dispatched activations: [experts, batch, capacity, features]. Their batch must not use the expert
@@ -116,7 +116,16 @@ class MoeBlock(nn.Module):
     if cfg.sparse_matmul:
       weights, experts, _, aux = choose_experts(router_logits, mask, cfg.num_experts_per_tok, cfg.norm_topk_prob)
       y, dropped = sparse_experts(
-        x.astype(dtype), weights, experts, mask, wi_0, wi_1, wo, cfg.capacity_factor, cfg.ragged_buffer_factor
+        x.astype(dtype),
+        weights,
+        experts,
+        mask,
+        wi_0,
+        wi_1,
+        wo,
+        cfg.capacity_factor,
+        cfg.ragged_buffer_factor,
+        GroupedMatmul(cfg.megablox, cfg.megablox_interpret),
       )
       y = nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
       return checkpoint_name(y, "mlpwo"), {**aux, "dropped": dropped}

@@ -1,25 +1,30 @@
 """Dropless mixture of experts by grouped matmul (MaxText's `sparse_matmul=true`).
 
 Each batch shard takes its tokens' top-k (token, expert) pairs, sorts them by expert and runs the SwiGLU
-projections as grouped matmuls over the sorted rows (`jax.lax.ragged_dot`), so memory and FLOPs grow with
+projections as grouped matmuls over the sorted rows (jax's megablox kernel, or `jax.lax.ragged_dot`), so memory
+and FLOPs grow with
 tokens x top_k, not with tokens x experts as in the one-hot dispatch of moe.py. The outputs are weighted by
 the router probabilities, unsorted and summed per token. Padding tokens are sorted past the last expert:
 they are in no group, so the grouped matmuls give them zeros.
 
 It runs inside shard_map over the mesh: tokens stay on their batch (and sequence) shard, the expert weights
 come in whole along embed (gathered as FSDP gathers any weight) and split along mlp over `tensor`, whose
-partial sums the down projection adds up.
+partial sums the down projection adds up. With experts split over `expert`, rows travel to their expert's
+shard and back by all_to_all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax.linen import partitioning as nn_partitioning
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 from jax.sharding import PartitionSpec
 
 
@@ -44,13 +49,52 @@ def _sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array,
   return order, expert_ids[order], sizes
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmul:
+  """How the grouped matmuls run: jax.lax.ragged_dot, or (megablox) jax's Pallas TPU kernel, interpreted off TPU."""
+
+  megablox: bool = False
+  interpret: bool = False
+  # rows, contraction, output. MaxText's (512, 1024, 1024) overflows VMEM in jax's backward kernels for Mixtral 8x7B.
+  tiling: tuple[int, int, int] = (512, 512, 512)
+
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: Any = None) -> jax.Array:
+    if not self.megablox:
+      return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_dtype)
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    tm = min(self.tiling[0], -(-m // 16) * 16)
+    padded = -(-m // tm) * tm  # the kernel walks whole row tiles
+    # The kernel never writes (nor, backwards, reads) rows past the groups; zeros there keep them out of the sums.
+    valid = (jnp.arange(padded) < jnp.sum(sizes))[:, None]
+    lhs = jnp.where(valid, jnp.pad(lhs, ((0, padded - m), (0, 0))), 0)
+    out = megablox_ops.gmm(
+      lhs,
+      rhs,
+      sizes,
+      out_dtype or lhs.dtype,
+      (tm, min(self.tiling[1], k), min(self.tiling[2], n)),
+      None,
+      None,
+      False,
+      self.interpret,
+    )
+    return jnp.where(valid, out, 0)[:m]
+
+
 def _swiglu(
-  rows: jax.Array, sizes: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, tensor_axes: tuple[str, ...]
+  rows: jax.Array,
+  sizes: jax.Array,
+  wi_0: jax.Array,
+  wi_1: jax.Array,
+  wo: jax.Array,
+  tensor_axes: tuple[str, ...],
+  matmul: GroupedMatmul,
 ) -> jax.Array:
   """Rows grouped by expert (group sizes `sizes`) through their expert's SwiGLU; rows past the groups give 0."""
-  gate = checkpoint_name(jax.lax.ragged_dot(rows, wi_0, sizes), "moe_mlpwi_0")
-  up = checkpoint_name(jax.lax.ragged_dot(rows, wi_1, sizes), "moe_mlpwi_1")
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, sizes, preferred_element_type=jnp.float32)
+  gate = checkpoint_name(matmul(rows, wi_0, sizes), "moe_mlpwi_0")
+  up = checkpoint_name(matmul(rows, wi_1, sizes), "moe_mlpwi_1")
+  out = matmul(jax.nn.silu(gate) * up, wo, sizes, jnp.float32)
   if tensor_axes:  # each tensor shard holds a slice of mlp: the down projection's partial sums add up
     out = jax.lax.psum(out, tensor_axes)
   return checkpoint_name(out.astype(rows.dtype), "moe_mlpwo")
@@ -65,6 +109,7 @@ def _on_expert_shards(
   tensor_axes: tuple[str, ...],
   peers: int,
   buffer_factor: float,
+  matmul: GroupedMatmul,
 ) -> tuple[jax.Array, jax.Array]:
   """Expert parallelism: rows sorted by global expert go to the shard that holds their expert (all_to_all into
   a buffer of `slots` rows per peer), through its experts, and back. (out rows, rows that did not fit)."""
@@ -85,7 +130,7 @@ def _on_expert_shards(
   got = jax.lax.all_to_all(send, expert_axes, 0, 0).reshape(peers * slots, d)
   got_ids = jax.lax.all_to_all(ids, expert_axes, 0, 0).reshape(peers * slots)
   order, _, local_sizes = _sort_by_expert(got_ids, local_experts)
-  done = _swiglu(got[order], local_sizes, *weights, tensor_axes)
+  done = _swiglu(got[order], local_sizes, *weights, tensor_axes, matmul)
   back = jnp.zeros_like(done).at[order].set(done).reshape(peers, slots, d)
   back = jax.lax.all_to_all(back, expert_axes, 0, 0)
   out = jnp.where(sent[:, None], back.at[where_to].get(mode="fill", fill_value=0), 0)
@@ -108,6 +153,7 @@ def _experts_on_shard(
   expert_axes: tuple[str, ...] = (),
   peers: int = 1,
   buffer_factor: float = -1.0,
+  matmul: GroupedMatmul = GroupedMatmul(),
 ) -> tuple[jax.Array, jax.Array]:
   """One shard: x [b, s, d], weights/experts [b, s, k], token_mask [b, s] -> (y [b, s, d], dropped pairs)."""
   b, s, d = x.shape
@@ -127,11 +173,11 @@ def _experts_on_shard(
   rows = x.reshape(tokens, d)[order // k]
   if expert_axes:
     out, lost = _on_expert_shards(
-      rows, sorted_expert, sizes, (wi_0, wi_1, wo), expert_axes, tensor_axes, peers, buffer_factor
+      rows, sorted_expert, sizes, (wi_0, wi_1, wo), expert_axes, tensor_axes, peers, buffer_factor, matmul
     )
     dropped = dropped + lost
   else:
-    out = _swiglu(rows, sizes, wi_0, wi_1, wo, tensor_axes)
+    out = _swiglu(rows, sizes, wi_0, wi_1, wo, tensor_axes, matmul)
   weighted = out * pair_weight[:, None].astype(x.dtype)
   y = jnp.zeros((tokens, d), x.dtype).at[order // k].add(weighted)
   return y.reshape(b, s, d), dropped
@@ -147,6 +193,7 @@ def sparse_experts(
   wo: jax.Array,
   capacity_factor: float,
   buffer_factor: float = -1.0,
+  matmul: GroupedMatmul = GroupedMatmul(),
 ) -> tuple[jax.Array, jax.Array]:
   """(y [b, s, d], dropped (token, expert) pairs): sum_k weights * SwiGLU_{experts}(x), every shard on its own
   tokens. Weights [experts, embed, mlp] / [experts, mlp, embed]. With experts split over devices, each pair
@@ -166,6 +213,7 @@ def sparse_experts(
       num_experts=num_experts,
       capacity_factor=capacity_factor,
       tensor_axes=(),
+      matmul=matmul,
     )
   batch, length = _mesh_axes("activation_batch", mesh), _mesh_axes("activation_length", mesh)
   mlp, exp = _mesh_axes("mlp", mesh), _mesh_axes("exp", mesh)
@@ -179,6 +227,7 @@ def sparse_experts(
     expert_axes=exp,
     peers=peers,
     buffer_factor=buffer_factor,
+    matmul=matmul,
   )
   y, dropped = jax.shard_map(
     lambda *a: _summed(body, batch + length, *a),

@@ -21,6 +21,8 @@ BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s1
 BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16})
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\((.*)\)\s+->\s+.*\{\s*$")
+# The op names jax gives grouped matmuls: XLA's TPU lowering of ragged_dot, and the megablox kernels (gmm, tgmm).
+_GROUPED_MATMUL = re.compile(r'op_name="[^"]*(ragged_dot_general|jit\(t?gmm\))')
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted separately).
 _FREE = {
@@ -53,6 +55,7 @@ class Op:
   group_size: int = 1
   axes: tuple[str, ...] = ()
   done: str = ""  # for an async start: the name of its done instruction
+  grouped_matmul: bool = False  # a grouped-matmul kernel (XLA's TPU ragged dot, megablox): costed on its whole buffer
 
 
 @dataclasses.dataclass
@@ -352,6 +355,7 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         op.flops += sum(computation_flops(c) for _, c in _called(instr.attrs))
       elif instr.opcode == "custom-call":
         op.flops += _custom_call_flops(instr)
+        op.grouped_matmul = bool(_GROUPED_MATMUL.search(instr.attrs))
       kind = _collective_kind(instr.opcode)
       if instr.opcode == "async-start":
         inner = [i for _, c in _called(instr.attrs) for i in computations.get(c, [])]

@@ -119,6 +119,15 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
     ops.append(
       hlo_costs.Op("splash_attention", "custom-call", "splash", 1.0, flops=step_flops["attention"] / c.num_devices)
     )
+  if any(o.grouped_matmul for o in ops):
+    # Grouped-matmul kernels carry a cost for every row of their buffer (with expert parallelism, room for all of
+    # a shard's rows on every peer); they skip the empty part. Count the rows routed: the model's expert FLOPs.
+    for o in ops:
+      if o.grouped_matmul:
+        o.flops = 0.0
+    ops.append(
+      hlo_costs.Op("grouped_matmuls", "custom-call", "experts", 1.0, flops=step_flops["experts"] / c.num_devices)
+    )
   tokens = c.global_batch_size_to_train_on * c.max_target_length / c.num_devices
   prediction = perf_model.predict(ops, net, model_flops, tokens)
   out["prediction"] = dataclasses.asdict(prediction)

@@ -19,11 +19,12 @@ def training_flops_per_step(config: Config) -> dict[str, float]:
   emb, mlp, d = config.base_emb_dim, config.base_mlp_dim, config.head_dim
   q, kv, layers = config.base_num_query_heads, config.base_num_kv_heads, config.base_num_decoder_layers
   mlp_flops = 2 * tokens * emb * mlp * 3  # gate, up and down projections
+  expert_flops = 0
   if config.num_experts > 1:
     # Only the experts a token is routed to do work; the one-hot dispatch/combine einsums are
     # routing overhead, not model FLOPs.
-    mlp_flops = 2 * tokens * emb * config.moe_mlp_dim * 3 * config.num_experts_per_tok
-    mlp_flops += 2 * tokens * emb * config.num_experts
+    expert_flops = 2 * tokens * emb * config.moe_mlp_dim * 3 * config.num_experts_per_tok
+    mlp_flops = expert_flops + 2 * tokens * emb * config.num_experts
   qkv_flops = 2 * tokens * emb * d * (q + 2 * kv)
   out_flops = 2 * tokens * q * d * emb
   # QK^T and PV: 2 matmuls of 2*seq*d FLOPs per token per head, halved for the causal mask.
@@ -31,7 +32,12 @@ def training_flops_per_step(config: Config) -> dict[str, float]:
   logits_flops = 2 * tokens * emb * config.vocab_size
   weights = 3 * (layers * (mlp_flops + qkv_flops + out_flops) + logits_flops)
   attention = 3 * layers * attention_flops
-  return {"weights": float(weights), "attention": float(attention), "total": float(weights + attention)}
+  return {
+    "weights": float(weights),
+    "attention": float(attention),
+    "total": float(weights + attention),
+    "experts": float(3 * layers * expert_flops),  # part of "weights": the routed tokens' expert matmuls
+  }
 
 
 def tflops_per_device_per_step(config: Config) -> float:
