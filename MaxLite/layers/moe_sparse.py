@@ -2,10 +2,9 @@
 
 Each batch shard takes its tokens' top-k (token, expert) pairs, sorts them by expert and runs the SwiGLU
 projections as grouped matmuls over the sorted rows (jax's megablox kernel, or `jax.lax.ragged_dot`), so memory
-and FLOPs grow with
-tokens x top_k, not with tokens x experts as in the one-hot dispatch of moe.py. The outputs are weighted by
-the router probabilities, unsorted and summed per token. Padding tokens are sorted past the last expert:
-they are in no group, so the grouped matmuls give them zeros.
+and FLOPs grow with tokens x top_k, not with tokens x experts as in the one-hot dispatch of moe.py. The outputs
+are weighted by the router probabilities, unsorted and summed per token. Padding tokens are sorted past the last
+expert: they are in no group, so the grouped matmuls give them zeros.
 
 It runs inside shard_map over the mesh: tokens stay on their batch (and sequence) shard, the expert weights
 come in whole along embed (gathered as FSDP gathers any weight) and split along mlp over `tensor`, whose
