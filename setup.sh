@@ -76,7 +76,7 @@ fi
 # system package, so it is installed only where apt-get runs as root; elsewhere the line below says what to do.
 apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" > /dev/null 2>&1; }
 if [[ "$(uname)" == Linux ]] \
-   && ! "$PYTHON" -c 'from MaxLite.launch.allocator import tcmalloc_path as t; raise SystemExit(t() is None)'; then
+   && ! "$PYTHON" -c 'from MaxLite.runtime.allocator import tcmalloc_path as t; raise SystemExit(t() is None)'; then
   if command -v apt-get > /dev/null && [[ "$(id -u)" == 0 ]] \
      && { apt_install libtcmalloc-minimal4 || { apt-get update -q > /dev/null 2>&1 && apt_install libtcmalloc-minimal4; }; }; then
     echo "installed libtcmalloc-minimal4 (used by train.py)"
@@ -87,4 +87,4 @@ fi
 
 # Check what was installed without starting a jax runtime (on a TPU VM that would take the chips, and on a pod
 # worker it would wait for the other hosts).
-DEVICE="$DEVICE" "$PYTHON" -m MaxLite.launch.install_check
+DEVICE="$DEVICE" "$PYTHON" -m MaxLite.runtime.install_check

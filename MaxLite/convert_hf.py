@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from MaxLite import cli
-from MaxLite.errors import UsageError
+from MaxLite.cli.errors import UsageError
 
 _NEEDS = {"to_maxlite": ("hf_path", "output_path"), "to_hf": ("checkpoint_path", "output_path")}
 

@@ -18,12 +18,12 @@ import time
 import jax
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import sharding
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import load_config
 from MaxLite.data.input_pipeline import make_iterator
 from MaxLite.layers.decoder import Transformer
-from MaxLite.mesh import create_mesh
+from MaxLite.parallel import sharding
+from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_state import abstract_state, create_train_state, total_bytes
 

@@ -20,8 +20,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from MaxLite.cli.errors import MaxLiteError
 from MaxLite.data.grain_pipeline import make_grain_iterator
-from MaxLite.errors import MaxLiteError
 
 
 def main() -> int:

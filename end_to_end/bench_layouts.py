@@ -23,8 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
+from MaxLite.aot.compile_step import lower_train_step
 from MaxLite.config import load_config
-from MaxLite.train_compile import lower_train_step
 from MaxLite.training.trainer import train
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")

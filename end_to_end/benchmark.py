@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from MaxLite.launch import allocator
+from MaxLite.runtime import allocator
 
 if __name__ == "__main__":
   allocator.reexec_with_tcmalloc()  # the allocator a training run uses (train.py does the same)

@@ -15,8 +15,8 @@ import jax
 
 from MaxLite.config import load_config
 from MaxLite.data.input_pipeline import process_rows
-from MaxLite.mesh import create_mesh
-from MaxLite.sharding import batch_sharding
+from MaxLite.parallel.mesh import create_mesh
+from MaxLite.parallel.sharding import batch_sharding
 from MaxLite.training.trainer import train
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")

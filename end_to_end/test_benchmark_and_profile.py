@@ -19,7 +19,7 @@ BENCH_ARGS = ("model_name=tiny", "steps=6", "max_target_length=64")
 
 def _model_shapes():
   """(parameter count, parameters of matmuls) of the model the benchmark trains, from the built model itself
-  (flax's shapes, not derived.py's or flops.py's formulas)."""
+  (flax's shapes, not config/validation.py's or flops.py's formulas)."""
   import jax
 
   from MaxLite.config import load_config

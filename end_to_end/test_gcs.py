@@ -327,9 +327,9 @@ def test_an_unreachable_storage_endpoint_is_one_line(tmp_path):
 # Reads every document of the named sources and prints them as one JSON object: {file type: [documents]}.
 _READ_SOURCES = """
 import json, sys
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.data.sources import open_source
-paths.use_storage_emulator_if_set()
+storage.use_storage_emulator_if_set()
 out = {}
 for kind, files, column in (a.split("|") for a in sys.argv[1:]):
   source = open_source(files, kind, column)
@@ -368,7 +368,7 @@ def test_parquet_and_jsonl_documents_read_from_gcs(gcs, tmp_path):
 def test_emulator_endpoints_follow_storage_emulator_host():
   """A process started after another emulator's settings were set must not keep the old endpoints
   (ArrayRecord's client would retry a dead port for many minutes)."""
-  from MaxLite import paths
+  from MaxLite import storage
 
   environ = {
     "STORAGE_EMULATOR_HOST": "http://127.0.0.1:2222",
@@ -376,7 +376,7 @@ def test_emulator_endpoints_follow_storage_emulator_host():
     "TENSORSTORE_GCS_HTTP_URL": "http://127.0.0.1:1111",
     "NO_GCE_CHECK": "false",
   }
-  paths.use_storage_emulator_if_set(environ)
+  storage.use_storage_emulator_if_set(environ)
   assert environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:2222"
   assert environ["NO_GCE_CHECK"] == "false"  # an explicit user choice stays
 

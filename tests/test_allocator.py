@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from MaxLite.launch import allocator
+from MaxLite.runtime import allocator
 
 
 def test_preload_env_adds_tcmalloc_once_and_respects_the_switch(tmp_path):
@@ -27,7 +27,7 @@ def test_preload_env_adds_tcmalloc_once_and_respects_the_switch(tmp_path):
 
 _SHOW_ALLOCATOR = """
 import os, sys
-from MaxLite.launch import allocator
+from MaxLite.runtime import allocator
 allocator.reexec_with_tcmalloc()
 print(os.getpid(), "tcmalloc" in open("/proc/self/maps").read(), sys.argv[1:])
 """

@@ -13,11 +13,12 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from MaxLite import derived, sharding, topologies
-from MaxLite.errors import ConfigError
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import validation
 from MaxLite.layers.attention import attention_mask, cudnn_attention, dot_product_attention
 from MaxLite.layers.splash import splash_attention
-from MaxLite.mesh import create_mesh
+from MaxLite.parallel import sharding, topologies
+from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.trainer import train
 
 SEQ = 256
@@ -181,7 +182,7 @@ def _derive(*overrides, platform="cpu", num_devices=1):
   from MaxLite import config as config_lib
 
   raw = config_lib.load_raw([os.path.join(REPO, "configs", "base.yml"), "model_name=tiny", *overrides])
-  return derived.validate_and_derive(raw, num_devices=num_devices, num_slices=1, process_count=1, platform=platform)
+  return validation.validate_and_derive(raw, num_devices=num_devices, num_slices=1, process_count=1, platform=platform)
 
 
 def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
@@ -226,14 +227,17 @@ def test_unsupported_attention_settings_stop_with_one_line(overrides, fragment):
 
 _NO_SCORES = """
 import sys
-from MaxLite import config as config_lib, derived, topologies, train_compile
+from MaxLite import config as config_lib
+from MaxLite.aot import compile_step
+from MaxLite.config import validation
+from MaxLite.parallel import topologies
 target = topologies.parse(sys.argv[1])
-train_compile.prepare_backend(target)
-devices = train_compile.target_devices(target, 1)
+compile_step.prepare_backend(target)
+devices = compile_step.target_devices(target, 1)
 raw = config_lib.load_raw(sys.argv[2:])
-config = config_lib.Config(derived.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
+config = config_lib.Config(validation.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
                                                        platform="tpu"))
-text = train_compile.lower_train_step(config, devices)[0].compile().as_text()
+text = compile_step.lower_train_step(config, devices)[0].compile().as_text()
 print("SCORES" if ",1024,1024]" in text else "NO_SCORES", config.attention_kernel)
 """
 

@@ -7,8 +7,8 @@ import re
 import pytest
 from conftest import BASE_YML, REPO, make_config, run_train_cli
 
+from MaxLite.cli.errors import ConfigError
 from MaxLite.config import available_models, load_config, load_raw
-from MaxLite.errors import ConfigError
 
 
 def test_every_shipped_model_config_loads():
@@ -239,7 +239,7 @@ def test_maxtext_style_command_trains_with_maxtext_key_names(tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(REPO, "configs", "tpu", "*", "*.yml"))))
 def test_shipped_maxtext_recipes_load_for_their_slice(recipe):
-  from MaxLite import topologies
+  from MaxLite.parallel import topologies
 
   raw = load_raw([recipe])
   target = topologies.parse(raw["compile_topology"])

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from conftest import read_records
 
+from MaxLite import prepare_data, train_tokenizer
+from MaxLite.cli.errors import InputError
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data import prepare as prep
-from MaxLite.data import train_tokenizer as tt
 from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.packing import StreamingPacker, pack_documents
 from MaxLite.data.sources import resolve_files
 from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.errors import InputError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model")
@@ -182,11 +182,11 @@ def test_prepare_jsonl_missing_field_fails_naming_file_and_line(tmp_path):
 
 
 def test_prepare_cli_errors_are_one_line_exit_2(tmp_path, capsys):
-  assert prep.main(["--input", str(tmp_path / "nothing-*.txt"), "--output_dir", str(tmp_path / "o")]) == 2
+  assert prepare_data.main(["--input", str(tmp_path / "nothing-*.txt"), "--output_dir", str(tmp_path / "o")]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: --input: no files match") and err.count("\n") == 1
   (tmp_path / "in.jsonl").write_text('{"a": 1}\n')
-  rc = prep.main(
+  rc = prepare_data.main(
     [
       "--input",
       str(tmp_path / "in.jsonl"),
@@ -204,7 +204,7 @@ def test_prepare_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 def test_prepare_script_runs_standalone(tmp_path):
   (tmp_path / "a.txt").write_text("hello world\n\nsecond paragraph\n")
-  script = os.path.join(REPO, "MaxLite", "data", "prepare.py")
+  script = os.path.join(REPO, "MaxLite", "prepare_data.py")
   ok = subprocess.run(
     [
       sys.executable,
@@ -236,7 +236,7 @@ def test_prepare_script_runs_standalone(tmp_path):
 
 def test_train_tokenizer_tool(tmp_path, capsys):
   prefix = str(tmp_path / "tok" / "sp")
-  rc = tt.main(
+  rc = train_tokenizer.main(
     ["--input", os.path.join(CORPUS, "eval-*.array_record"), "--model_prefix", prefix, "--vocab_size", "600"]
   )
   assert rc == 0, capsys.readouterr().err
@@ -244,7 +244,7 @@ def test_train_tokenizer_tool(tmp_path, capsys):
   assert (tok.vocab_size, tok._sp.unk_id(), tok.bos_id, tok.eos_id) == (600, 0, 1, 2)
   text = "Any text\tencodes:  ünïcødé ✓ 😀\n  indented"
   assert tok.decode(tok.encode(text)) == text
-  assert tt.main(["--input", str(tmp_path / "none*"), "--model_prefix", prefix]) == 2
+  assert train_tokenizer.main(["--input", str(tmp_path / "none*"), "--model_prefix", prefix]) == 2
   assert "error: --input: no files match" in capsys.readouterr().err
 
 

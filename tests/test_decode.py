@@ -10,14 +10,14 @@ from conftest import make_config
 
 from MaxLite.decode import generate, sample
 from MaxLite.layers.decoder import Transformer
-from MaxLite.training.train_state import _unbox
+from MaxLite.parallel.sharding import unbox
 
 PROMPTS = [[5, 17, 99, 3, 250], [7, 8], [42, 43, 44, 45, 46, 47, 48, 49]]
 
 
 def _params(config):
   ids = jnp.zeros((1, config.max_target_length), jnp.int32)
-  return _unbox(Transformer(config).init(jax.random.key(3), ids, ids, ids)["params"])
+  return unbox(Transformer(config).init(jax.random.key(3), ids, ids, ids)["params"])
 
 
 def _full_logits(config, params, rows):

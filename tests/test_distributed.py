@@ -3,9 +3,9 @@
 import pytest
 from conftest import make_config
 
-from MaxLite.errors import ConfigError
-from MaxLite.launch import preflight
-from MaxLite.launch.distributed import join_reason
+from MaxLite.cli.errors import ConfigError
+from MaxLite.runtime import preflight
+from MaxLite.runtime.distributed import join_reason
 
 RAW = {"skip_jax_distributed_system": False, "coordinator_address": ""}
 
@@ -55,7 +55,7 @@ def test_config_digest_ignores_only_per_process_keys():
 
 
 def test_a_cpu_only_jax_on_a_tpu_host_stops_before_jax_starts(monkeypatch):
-  from MaxLite.launch import install_check
+  from MaxLite.runtime import install_check
 
   with pytest.raises(ConfigError, match="this machine has TPU chips but jax has no TPU support installed"):
     preflight.check_tpu_support({}, tpu_present=True)  # this machine's jax has no libtpu

@@ -15,9 +15,9 @@ from conftest import BASE_YML, first_devices, make_config
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader
+from MaxLite.cli.errors import InputError
 from MaxLite.config import load_config
 from MaxLite.decode import generate
-from MaxLite.errors import InputError
 from MaxLite.layers.decoder import Transformer
 
 torch = pytest.importorskip("torch")

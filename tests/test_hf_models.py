@@ -10,8 +10,8 @@ from test_hf_interop import SMALL, maxlite_config, maxlite_logits, maxlite_param
 
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint.hf_layout import model_settings_from_hf
+from MaxLite.cli.errors import InputError
 from MaxLite.decode import generate
-from MaxLite.errors import InputError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -338,7 +338,7 @@ def test_config_json_that_does_not_fit_the_weights_is_one_line(tmp_path):
 
 
 def test_loading_drops_no_parameter_and_exports_no_foreign_bos(tmp_path):
-  from MaxLite.errors import CheckpointError
+  from MaxLite.cli.errors import CheckpointError
 
   _, path = hf_model(tmp_path, "qwen3_tied")
   step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])

@@ -13,11 +13,11 @@ import pytest
 from conftest import first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import sharding
-from MaxLite.errors import ConfigError
-from MaxLite.layers import remat
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import choices
 from MaxLite.layers.decoder import Transformer
-from MaxLite.mesh import create_mesh
+from MaxLite.parallel import sharding
+from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training import loss
 
 SEQ = 32
@@ -125,12 +125,12 @@ def test_custom_remat_and_fused_kernels_on_8_devices_equal_the_plain_model(layou
   params, want = reference(kind)
   options = ("fused_qkv=true", "fused_mlp=true" if kind == "dense" else "fused_mlp=false") if fused else ()
   config = make_config(*MODELS[kind], *CUSTOM, *options, *mesh, "per_device_batch_size=1", num_devices=8)
-  assert remat.placement(config).offloaded  # the policy really moves activations to the host
+  assert choices.placement(config).offloaded  # the policy really moves activations to the host
   got_loss, got_grads = _loss_and_grads(config, _fuse(params) if fused else params, first_devices(8))
   _assert_same((got_loss, _unfuse(got_grads) if fused else got_grads), want)
 
 
-PRESETS = [p for p in remat.REMAT_POLICIES if p not in ("none", "custom")]
+PRESETS = [p for p in choices.REMAT_POLICIES if p not in ("none", "custom")]
 
 
 # The presets differ only in which dense names they keep; MoE checks the two that name its block.

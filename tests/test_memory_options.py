@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from conftest import REPO, first_devices, make_config
 
-from MaxLite import buffer_report, topologies
+from MaxLite.aot import buffer_report
+from MaxLite.cli.errors import ConfigError
 from MaxLite.data import BATCH_KEYS
-from MaxLite.errors import ConfigError
+from MaxLite.parallel import topologies
 from MaxLite.training import loss
 from MaxLite.training.trainer import train
 
@@ -134,9 +135,9 @@ def test_host_offload_trains_like_device_memory(tmp_path, overrides):
 
 
 def test_offloaded_state_lives_in_host_memory_and_the_step_moves_it(tmp_path):
-  from MaxLite import sharding
   from MaxLite.layers.decoder import Transformer
-  from MaxLite.mesh import create_mesh
+  from MaxLite.parallel import sharding
+  from MaxLite.parallel.mesh import create_mesh
   from MaxLite.training.optimizer import create_optimizer
   from MaxLite.training.train_state import abstract_state, create_train_state
   from MaxLite.training.train_step import jit_train_step
@@ -225,18 +226,22 @@ def test_bfloat16_cast_equals_xla_convert_bit_for_bit_and_differentiates_like_it
 _STACKED_BF16 = """
 import json, re
 import jax
-from MaxLite import config as config_lib, derived, sharding, topologies, train_compile
+from MaxLite import config as config_lib
+from MaxLite.aot import compile_step
+from MaxLite.config import validation
+from MaxLite.parallel import sharding
+from MaxLite.parallel import topologies
 from MaxLite.layers.decoder import Transformer
-from MaxLite.mesh import create_mesh
+from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_state import abstract_state
 target = topologies.parse("v5p-8")
-train_compile.prepare_backend(target)
-devices = train_compile.target_devices(target, 1)
+compile_step.prepare_backend(target)
+devices = compile_step.target_devices(target, 1)
 raw = config_lib.load_raw(["configs/base.yml", "model_name=tiny", "dtype=bfloat16", "jax_cache_dir="])
-config = config_lib.Config(derived.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
+config = config_lib.Config(validation.validate_and_derive(raw, num_devices=4, num_slices=1, process_count=1,
                                                        platform="tpu"))
-text = train_compile.lower_train_step(config, devices)[0].compile().as_text()
+text = compile_step.lower_train_step(config, devices)[0].compile().as_text()
 mesh = create_mesh(config, devices)
 with jax.set_mesh(mesh):
   abstract, _, shardings = abstract_state(Transformer(config), create_optimizer(config), config, mesh)

@@ -13,12 +13,12 @@ import pytest
 from conftest import BASE_YML, REPO, first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import sharding as sharding_lib
-from MaxLite.errors import ConfigError
+from MaxLite.aot.compile_step import lower_train_step
+from MaxLite.cli.errors import ConfigError
 from MaxLite.layers.decoder import Transformer
 from MaxLite.layers.moe import MoeBlock, expert_capacity, load_balance_loss, route
-from MaxLite.mesh import create_mesh
-from MaxLite.train_compile import lower_train_step
+from MaxLite.parallel import sharding as sharding_lib
+from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.flops import training_flops_per_step
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_state import abstract_state
@@ -335,11 +335,11 @@ def test_sequence_parallelism_does_not_regather_activations():
 
 def test_megablox_is_compiled_on_tpu_interpreted_on_cpu_and_refused_on_gpu():
   from MaxLite import config as config_lib
-  from MaxLite import derived
+  from MaxLite.config import validation
 
   def derive(platform, *overrides):
     raw = config_lib.load_raw([BASE_YML, *MOE, *overrides])
-    return derived.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform=platform)
+    return validation.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform=platform)
 
   assert not derive("tpu")["megablox_interpret"] and derive("cpu")["megablox_interpret"]
   with pytest.raises(ConfigError, match="megablox=true is a TPU kernel .* devices are gpu: use megablox=false"):

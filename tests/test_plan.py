@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import REPO, first_devices
 
-from MaxLite import topologies
+from MaxLite.parallel import topologies
 from MaxLite.planning import hlo_costs, perf_model
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")

@@ -14,8 +14,8 @@ import time
 import pytest
 from conftest import REPO, make_config
 
-from MaxLite import run_lock
-from MaxLite.errors import ConfigError
+from MaxLite.cli.errors import ConfigError
+from MaxLite.training import run_lock
 
 sys.path.insert(0, os.path.join(REPO, "end_to_end"))
 import procs
@@ -139,9 +139,9 @@ def bucket(tmp_path_factory):
   with LocalGCS(str(tmp_path_factory.mktemp("gcs"))) as server:
     previous = dict(os.environ)  # the emulator settings below must not leak into later tests' processes
     os.environ.update(server.env)
-    from MaxLite import paths
+    from MaxLite import storage
 
-    paths.use_storage_emulator_if_set()
+    storage.use_storage_emulator_if_set()
     try:
       yield server, server.create_bucket("locks")
     finally:
@@ -191,16 +191,16 @@ def _foreign_lock(**fields):
 def test_gs_lock_writes_only_over_its_own_generation(bucket):
   server, url = bucket
   path = f"{url}/gen/{run_lock.LOCK_FILE}"
-  from MaxLite import paths
+  from MaxLite import storage
 
-  paths.create_new(path, "mine")
-  text, generation = paths.read_generation(path)
+  storage.create_new(path, "mine")
+  text, generation = storage.read_generation(path)
   assert text == "mine"
   server.upload("locks", f"gen/{run_lock.LOCK_FILE}", b"theirs")  # a new owner, between our read and our write
-  assert paths.replace_generation(path, "mine again", generation) is None
+  assert storage.replace_generation(path, "mine again", generation) is None
   assert server.read("locks", f"gen/{run_lock.LOCK_FILE}") == b"theirs"
-  text, current = paths.read_generation(path)
-  assert paths.replace_generation(path, "mine again", current) not in (None, current)
+  text, current = storage.read_generation(path)
+  assert storage.replace_generation(path, "mine again", current) not in (None, current)
 
 
 def test_gs_heartbeat_never_overwrites_a_new_owner_and_marks_the_lock_lost(bucket, monkeypatch, caplog):

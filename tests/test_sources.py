@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_config, read_records, run_train_cli
 
+from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.data import BATCH_KEYS, sources
-from MaxLite.data import train_tokenizer as tt
+from MaxLite.data import tokenizer_training as tt
 from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.sources import open_source
-from MaxLite.errors import ConfigError, InputError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model")
@@ -261,9 +261,9 @@ def test_training_on_parquet_shards_equals_training_on_arrayrecord(corpus, tmp_p
   [("gs://", "names no bucket"), ("gs:///runs", "names no bucket"), ("gs://AB/runs", "not a valid bucket name")],
 )
 def test_a_url_without_a_valid_bucket_is_named_before_any_network_request(monkeypatch, url, fragment):
-  from MaxLite import paths
-  from MaxLite.errors import InputError
+  from MaxLite import storage
+  from MaxLite.cli.errors import InputError
 
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # offline: nothing answers there
   with pytest.raises(InputError, match=rf"^base_output_directory={re.escape(url)}: .*{fragment}"):
-    paths.check_bucket(url, "base_output_directory")
+    storage.check_bucket(url, "base_output_directory")

@@ -16,11 +16,11 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 from conftest import REPO, make_config, run_train_cli
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.input_pipeline import check_tokenizer
 from MaxLite.data.tiktoken_tokenizer import read_ranks
 from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.errors import ConfigError, InputError
 
 SENTENCEPIECE = os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model")
 CORPUS = os.path.join(REPO, "assets", "corpus", "train-00000-of-00004.array_record")

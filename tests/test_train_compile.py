@@ -9,8 +9,9 @@ import sys
 import pytest
 from conftest import BASE_YML, REPO
 
-from MaxLite import topologies, train_compile
-from MaxLite.errors import ConfigError
+from MaxLite.aot import compile_step
+from MaxLite.cli.errors import ConfigError
+from MaxLite.parallel import topologies
 
 SCRIPT = os.path.join(REPO, "MaxLite", "train_compile.py")
 HAVE_LIBTPU = topologies.find_libtpu(REPO) is not None
@@ -128,7 +129,7 @@ def test_oversized_config_on_v5p_8_exits_non_zero_with_the_shortfall():
 
 def test_shrink_hints_name_the_keys_for_each_kind_of_large_buffer():
   """Buffers as train_compile read them from XLA's report for llama2-7b on v5e-16 (4 x 4096, remat full)."""
-  from MaxLite.buffer_report import Buffer, shrink_hints
+  from MaxLite.aot.buffer_report import Buffer, shrink_hints
 
   saved = Buffer(4 << 30, "bf16[32000,4096], 5×bf16[32,4,4096,4096]", ("decoder/while/body/dynamic_update_slice",))
   logits = Buffer(2 << 30, "bf16[4,4096,11008], f32[4,4096,32000]", ("logits_dense/dot_general",))
@@ -159,7 +160,7 @@ def test_missing_libtpu_says_how_to_get_it(tmp_path, monkeypatch):
     pytest.skip("a libtpu package is importable here, so it would be found")
   monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
   with pytest.raises(ConfigError, match=r"compile_topology=v5p-8 needs libtpu .* run `bash setup.sh`"):
-    train_compile.prepare_backend(topologies.parse("v5p-8"), repo=str(tmp_path))  # a root without .deps/
+    compile_step.prepare_backend(topologies.parse("v5p-8"), repo=str(tmp_path))  # a root without .deps/
 
 
 def test_slice_shapes_follow_cloud_tpu():

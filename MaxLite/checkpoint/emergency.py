@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency_manager
 
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.checkpoint import CONFIG, DATA_ITER, agreement
 from MaxLite.checkpoint.manager import (
   ConfigHandler,
@@ -44,8 +44,8 @@ DATA_POSITIONS = "data_positions"
 def local_directory(config: Config) -> str:
   """This process's local checkpoint directory: one per run and process, so hosts (or processes sharing a
   machine) never read each other's files as their own."""
-  root = paths.absolute(config.local_checkpoint_directory)
-  return paths.join(root, config.run_name, f"process_{jax.process_index()}")
+  root = storage.absolute(config.local_checkpoint_directory)
+  return storage.join(root, config.run_name, f"process_{jax.process_index()}")
 
 
 def _step_numbers(folder: str) -> list[int]:
@@ -64,12 +64,12 @@ class EmergencyCheckpoints:
 
   def __init__(self, config: Config, mesh: jax.sharding.Mesh, target: Any):
     self.config = config
-    self.directory = paths.absolute(config.checkpoint_dir)
+    self.directory = storage.absolute(config.checkpoint_dir)
     local = local_directory(config)
-    paths.makedirs(local)  # orbax wants both directories to exist; on gs:// a folder exists once it holds an object
-    paths.makedirs(self.directory)
-    if paths.is_url(self.directory) and not paths.exists(self.directory):
-      paths.write_text(paths.join(self.directory, "EMERGENCY_CHECKPOINTS"), "saved by orbax's emergency manager\n")
+    storage.makedirs(local)  # orbax wants both directories to exist; on gs:// a folder exists once it holds an object
+    storage.makedirs(self.directory)
+    if storage.is_url(self.directory) and not storage.exists(self.directory):
+      storage.write_text(storage.join(self.directory, "EMERGENCY_CHECKPOINTS"), "saved by orbax's emergency manager\n")
     options = emergency_manager.CheckpointManagerOptions(
       local=emergency_manager.LocalCheckpointOptions(save_interval_steps=config.local_checkpoint_period),
       persistent=emergency_manager.PersistentCheckpointOptions(
@@ -87,7 +87,7 @@ class EmergencyCheckpoints:
     with _no_mesh():
       self._state = emergency_manager.CheckpointManager(local, self.directory, mesh, target, options=options)
     self._data = ocp.CheckpointManager(
-      paths.join(paths.absolute(config.run_dir), DATA_POSITIONS),
+      storage.join(storage.absolute(config.run_dir), DATA_POSITIONS),
       options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
       item_handlers={DATA_ITER: DataIteratorHandler(), CONFIG: ConfigHandler()},
     )
@@ -129,7 +129,7 @@ class EmergencyCheckpoints:
     if not steps:
       return None
     step = steps[0]
-    positions_dir = paths.join(self._data.directory.as_posix(), str(step))
+    positions_dir = storage.join(self._data.directory.as_posix(), str(step))
     read(positions_dir, lambda: check(positions_dir))
     logging.info("emergency checkpoints: restoring step %d (steps available: %s)", step, steps[:5])
     with _no_mesh():

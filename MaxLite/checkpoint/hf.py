@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from MaxLite import config as config_lib
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.checkpoint import STATE, saved_config_path
 from MaxLite.checkpoint.hf_layout import (
   global_tensors,
@@ -27,8 +27,8 @@ from MaxLite.checkpoint.hf_layout import (
   part_slice,
 )
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
+from MaxLite.cli.errors import InputError
 from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.errors import InputError
 
 _REQUIRED = object()
 
@@ -56,10 +56,10 @@ def _load_config(argv: Sequence[str], extra: Sequence[str]) -> Any:
 
 def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   """Returns the step directory to pass as load_parameters_path."""
-  config_json = paths.join(hf_path, "config.json")
-  if not paths.isfile(config_json):
+  config_json = storage.join(hf_path, "config.json")
+  if not storage.isfile(config_json):
     raise InputError(f"--hf_path={hf_path}: no config.json there")
-  settings = model_settings_from_hf(json.loads(paths.read_text(config_json)), config_json)
+  settings = model_settings_from_hf(json.loads(storage.read_text(config_json)), config_json)
   reader = SafetensorsReader(hf_path)
   config = _load_config(argv, [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in settings.items()])
   explicit = dict(a.split("=", 1) for a in argv if "=" in a)
@@ -113,10 +113,10 @@ def _abstract_params(config: Any) -> Any:
   import jax
 
   from MaxLite.layers.decoder import Transformer
-  from MaxLite.training.train_state import _unbox
+  from MaxLite.parallel.sharding import unbox
 
   ids = jax.ShapeDtypeStruct((1, config.max_target_length), np.int32)
-  return _unbox(jax.eval_shape(lambda: Transformer(config).lazy_init(jax.random.key(0), ids, ids, ids))["params"])
+  return unbox(jax.eval_shape(lambda: Transformer(config).lazy_init(jax.random.key(0), ids, ids, ids))["params"])
 
 
 def _check_against_model(params: dict, config: Any) -> None:
@@ -147,16 +147,16 @@ def _to_jax(tree: dict) -> dict:
 def _save(params: dict, config: Any, output_path: str) -> str:
   import orbax.checkpoint as ocp
 
-  step_dir = paths.join(paths.absolute(output_path), "0")
-  if paths.exists(step_dir):
+  step_dir = storage.join(storage.absolute(output_path), "0")
+  if storage.exists(step_dir):
     raise InputError(f"--output_path={output_path}: {step_dir} already exists; choose a new directory")
   # Converted to jax arrays leaf by leaf and at most 1 GB in flight: with numpy leaves and default
   # limits orbax stages copies of the whole model (peak ~3x the model; this way ~1.9x).
   handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, save_device_host_concurrent_gb=1)
   with ocp.Checkpointer(handler) as checkpointer:
-    checkpointer.save(paths.join(step_dir, STATE), args=ocp.args.PyTreeSave({"params": _to_jax(params)}))
+    checkpointer.save(storage.join(step_dir, STATE), args=ocp.args.PyTreeSave({"params": _to_jax(params)}))
   settings = {k: getattr(config, k) for k in (*config_lib.MODEL_KEYS, "weight_dtype")}
-  paths.write_text(saved_config_path(step_dir), json.dumps(settings, indent=2, sort_keys=True))
+  storage.write_text(saved_config_path(step_dir), json.dumps(settings, indent=2, sort_keys=True))
   return step_dir
 
 
@@ -167,7 +167,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   from MaxLite.checkpoint import manager as checkpointing
 
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
-  tokenizer = load_tokenizer(paths.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
+  tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
   ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}
   if not any(a.startswith("tokenizer_path=") for a in argv) and tokenizer.vocab_size != config.vocab_size:
     # The shipped default tokenizer is not this model's: its BOS/EOS ids would be someone else's.
@@ -204,7 +204,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
         add(name, value, t.to_hf)
   files = write_checkpoint(output_path, tensors)
   hf_config = hf_config_from_model(config, **{name: i if i >= 0 else None for name, i in ids.items()})
-  paths.write_text(paths.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
+  storage.write_text(storage.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
   return ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
 
 
@@ -212,13 +212,13 @@ def _copy_tokenizer_files(config: Any, output_path: str) -> list[str]:
   """A Hugging Face tokenizer travels with the export, so AutoTokenizer loads the output directory as it is."""
   if config.tokenizer_type != "huggingface":
     return []
-  source = paths.resolve(config.tokenizer_path)
-  folder = source if paths.isdir(source) else paths.dirname(source)
-  files = {"tokenizer.json": source if paths.isfile(source) else paths.join(folder, "tokenizer.json")}
-  files.update({name: paths.join(folder, name) for name in ("tokenizer_config.json", "special_tokens_map.json")})
+  source = storage.resolve(config.tokenizer_path)
+  folder = source if storage.isdir(source) else storage.dirname(source)
+  files = {"tokenizer.json": source if storage.isfile(source) else storage.join(folder, "tokenizer.json")}
+  files.update({name: storage.join(folder, name) for name in ("tokenizer_config.json", "special_tokens_map.json")})
   copied = []
   for name, path in files.items():
-    if paths.isfile(path):
-      paths.write_bytes(paths.join(output_path, name), paths.read_bytes(path))
+    if storage.isfile(path):
+      storage.write_bytes(storage.join(output_path, name), storage.read_bytes(path))
       copied.append(name)
   return copied

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from MaxLite.errors import InputError
+from MaxLite.cli.errors import InputError
 
 ARCHITECTURES = (
   "LlamaForCausalLM",

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.checkpoint import DATA_ITER, STATE, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
-from MaxLite.errors import CheckpointError
+from MaxLite.cli.errors import CheckpointError
 
 _CONFIG_SHOWN = (
   "model_name",
@@ -27,11 +27,11 @@ _CONFIG_SHOWN = (
 
 def find_steps(path: str) -> tuple[str, list[int], list[str]]:
   """(checkpoints dir, complete steps ascending, names of incomplete saves)."""
-  path = paths.absolute(path).rstrip("/")
-  if not paths.isdir(path):
+  path = storage.absolute(path).rstrip("/")
+  if not storage.isdir(path):
     raise CheckpointError(f"{path}: no such directory")
-  if paths.isdir(paths.join(path, "checkpoints")):
-    path = paths.join(path, "checkpoints")
+  if storage.isdir(storage.join(path, "checkpoints")):
+    path = storage.join(path, "checkpoints")
   return path, checkpointing.step_numbers(path), checkpointing.incomplete_saves(path)
 
 
@@ -43,8 +43,8 @@ def describe_step(step_dir: str) -> list[str]:
   arrays = checkpointing.saved_arrays(checkpointing.resolve_state_dir(step_dir, "checkpoint"))
   lines = []
   config_file = saved_config_path(step_dir)
-  if paths.exists(config_file):
-    config = json.loads(paths.read_text(config_file))
+  if storage.exists(config_file):
+    config = json.loads(storage.read_text(config_file))
     lines.append("  config: " + ", ".join(f"{k}={config[k]}" for k in _CONFIG_SHOWN if k in config))
   totals: dict[str, list[int]] = {}
   rows = []
@@ -64,16 +64,16 @@ def describe_step(step_dir: str) -> list[str]:
   lines.append(f"  total: {_bytes(sum(size for _, size in totals.values()))}")
   lines.append("  parameters:")
   lines += rows
-  data_dir = paths.join(step_dir, DATA_ITER)
-  if paths.isdir(data_dir):
-    files = sorted(n for n in paths.listdir(data_dir) if n.startswith("process_"))
+  data_dir = storage.join(step_dir, DATA_ITER)
+  if storage.isdir(data_dir):
+    files = sorted(n for n in storage.listdir(data_dir) if n.startswith("process_"))
     lines.append(f"  data iterator: {', '.join(files)}")
   return lines
 
 
 def describe(path: str, step: int | None = None) -> str:
-  if paths.isdir(paths.join(path, STATE)):  # a single step directory
-    return "\n".join([f"checkpoint {paths.absolute(path)}", *describe_step(path)])
+  if storage.isdir(storage.join(path, STATE)):  # a single step directory
+    return "\n".join([f"checkpoint {storage.absolute(path)}", *describe_step(path)])
   root, steps, partial = find_steps(path)
   if not steps:
     raise CheckpointError(
@@ -86,5 +86,5 @@ def describe(path: str, step: int | None = None) -> str:
   if partial:
     lines.append(f"incomplete saves (ignored on resume): {', '.join(partial)}")
   lines.append(f"step {chosen}:")
-  lines += describe_step(paths.join(root, str(chosen)))
+  lines += describe_step(storage.join(root, str(chosen)))
   return "\n".join(lines)

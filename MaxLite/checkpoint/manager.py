@@ -21,11 +21,11 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.checkpoint import CONFIG, CONFIG_FILE, DATA_ITER, STATE, agreement
 from MaxLite.checkpoint.reads import UnreadableCheckpointError, read
+from MaxLite.cli.errors import CheckpointError, InputError, first_line
 from MaxLite.config import Config
-from MaxLite.errors import CheckpointError, InputError, first_line
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -94,7 +94,7 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
     create=True,
   )
   handlers = {STATE: ocp.StandardCheckpointHandler(), DATA_ITER: DataIteratorHandler(), CONFIG: ConfigHandler()}
-  return ocp.CheckpointManager(paths.absolute(config.checkpoint_dir), options=options, item_handlers=handlers)
+  return ocp.CheckpointManager(storage.absolute(config.checkpoint_dir), options=options, item_handlers=handlers)
 
 
 def save(manager: Any, step: int, state: Any, data_iterator: Any, config: Config, force: bool = True) -> None:
@@ -130,7 +130,7 @@ class Saves:
       logging.warning(
         "not saving step %d: %s holds an unreadable checkpoint of that step, kept as it is",
         step,
-        paths.join(str(self.manager.directory), str(step)),
+        storage.join(str(self.manager.directory), str(step)),
       )
       return
     self._unconfirmed = step
@@ -171,7 +171,7 @@ class Saves:
     # Orbax's other write tasks of this save fail the same way; asyncio would print each one's traceback when
     # they are garbage-collected (at exit, under load), after the one line this error becomes.
     std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
-    where = paths.join(str(self.manager.directory), str(step))
+    where = storage.join(str(self.manager.directory), str(step))
     cause = first_line(error, with_type=True, limit=1000)  # storage errors name the file first, the reason last
     return CheckpointError(f"saving checkpoint step {step} to {where} failed ({cause})")
 
@@ -192,7 +192,7 @@ def restore_newest(
   that kept failing) stops every process: an earlier step would not fit either, or would be a wrong resume."""
   skipped: list[str] = []
   for step in agreement.process_0s(sorted(manager.all_steps(), reverse=True)):
-    step_dir = paths.join(str(manager.directory), str(step))
+    step_dir = storage.join(str(manager.directory), str(step))
     error: CheckpointError | None = None
     try:
       _check_readable(step_dir, target, check)
@@ -233,16 +233,16 @@ def _check_readable(step_dir: str, target: Any, check: Callable[[str], None]) ->
   """Reads what a restore of the step reads before the arrays (no collectives, so each process can fail
   alone and still take part in the agreement): its config, the state's metadata, the iterator files."""
   read(step_dir, functools.partial(check, step_dir))  # its config file may be what is corrupt
-  check_compatible(paths.join(step_dir, STATE), target)
-  iterators = epath.Path(paths.join(step_dir, DATA_ITER))
+  check_compatible(storage.join(step_dir, STATE), target)
+  iterators = epath.Path(storage.join(step_dir, DATA_ITER))
   read(step_dir, lambda: DataIteratorHandler().restore(iterators))
 
 
 def restore(manager: ocp.CheckpointManager, step: int, target: Any, data_iterator: Any) -> Any:
   """The state of `step` placed as `target` says (shapes, dtypes, current-mesh shardings); also
   moves `data_iterator` to where that step left it."""
-  step_dir = paths.join(str(manager.directory), str(step))
-  check_compatible(paths.join(step_dir, STATE), target)
+  step_dir = storage.join(str(manager.directory), str(step))
+  check_compatible(storage.join(step_dir, STATE), target)
   args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), DATA_ITER: DataIteratorRestore()})
   restored = read(step_dir, lambda: manager.restore(step, args=args))
   try:
@@ -318,40 +318,40 @@ COMMIT_MARKER = "commit_success.txt"
 
 def is_finalized(step_dir: str) -> bool:
   """A local step directory exists only once complete; a gs:// one needs its commit marker."""
-  return not paths.is_url(step_dir) or paths.exists(paths.join(step_dir, COMMIT_MARKER))
+  return not storage.is_url(step_dir) or storage.exists(storage.join(step_dir, COMMIT_MARKER))
 
 
 def step_numbers(directory: str) -> list[int]:
   """Complete steps in a checkpoints directory, ascending (in-progress saves are `<step>.orbax-checkpoint-tmp*`
   on disk and steps without a commit marker on gs://)."""
-  names = [name for name in paths.listdir(directory) if name.isdigit()]
-  return sorted(int(name) for name in names if is_finalized(paths.join(directory, name)))
+  names = [name for name in storage.listdir(directory) if name.isdigit()]
+  return sorted(int(name) for name in names if is_finalized(storage.join(directory, name)))
 
 
 def incomplete_saves(directory: str) -> list[str]:
   """Names of saves a crash cut short: orbax's temporary directories, or gs:// steps without a commit marker."""
-  names = paths.listdir(directory)
+  names = storage.listdir(directory)
   finished = {str(s) for s in step_numbers(directory)}
   return sorted(n for n in names if "tmp" in n or (n.isdigit() and n not in finished))
 
 
 def resolve_state_dir(path: str, key: str) -> str:
   """A load path may name a step directory (…/checkpoints/100) or its state item (…/100/state)."""
-  path = paths.absolute(path).rstrip("/")
+  path = storage.absolute(path).rstrip("/")
   try:
-    found = paths.isdir(path)
+    found = storage.isdir(path)
   except Exception as e:  # an unreachable bucket or missing credentials
     raise CheckpointError(f"{key}={path}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
   if not found:
     raise CheckpointError(f"{key}={path}: no such directory")
-  if paths.isdir(paths.join(path, STATE)):
+  if storage.isdir(storage.join(path, STATE)):
     if not is_finalized(path):
       raise CheckpointError(f"{key}={path}: this save was never completed (no {COMMIT_MARKER})")
-    return paths.join(path, STATE)
-  if paths.exists(paths.join(path, "_METADATA")):
+    return storage.join(path, STATE)
+  if storage.exists(storage.join(path, "_METADATA")):
     return path
   steps = step_numbers(path)[::-1]
-  hint = f" (it holds steps {steps[:5]}; use e.g. {paths.join(path, str(steps[0]))})" if steps else ""
+  hint = f" (it holds steps {steps[:5]}; use e.g. {storage.join(path, str(steps[0]))})" if steps else ""
   raise CheckpointError(f"{key}={path} is not a checkpoint step directory{hint}")
 
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from absl import logging
 
-from MaxLite.errors import CheckpointError, first_line
+from MaxLite.cli.errors import CheckpointError, first_line
 
 T = TypeVar("T")
 

@@ -12,10 +12,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.checkpoint import saved_config_path
+from MaxLite.cli.errors import CheckpointError
 from MaxLite.config import MODEL_KEYS, Config
-from MaxLite.errors import CheckpointError
 
 # Keys that define the data stream, for any dataset_type.
 STREAM_KEYS = ("dataset_type", "data_shuffle_seed", "max_target_length", "global_batch_size_to_train_on")
@@ -44,9 +44,9 @@ def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 def check_resume(step_dir: str, config: Config) -> None:
   """CheckpointError naming every difference between the step's saved config and this one."""
   path = saved_config_path(step_dir)
-  if not paths.isfile(path):
+  if not storage.isfile(path):
     return  # saved before configs were stored: nothing to compare
-  saved = json.loads(paths.read_text(path))
+  saved = json.loads(storage.read_text(path))
   differences = resume_differences(saved, config.to_dict())  # to_dict gives lists for tuples, as JSON does
   if differences:
     raise CheckpointError(

@@ -26,8 +26,8 @@ import ml_dtypes  # registers numpy's bfloat16, which safetensors' numpy API the
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from MaxLite import paths
-from MaxLite.errors import InputError, first_line
+from MaxLite import storage
+from MaxLite.cli.errors import InputError, first_line
 
 DTYPES = {
   "F64": np.float64,
@@ -73,7 +73,7 @@ class _UrlFile:
   def __init__(self, path: str):
     self.path = path
     try:
-      with paths.open_file(path, "rb") as f:
+      with storage.open_file(path, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
         if size < 8:
@@ -142,7 +142,7 @@ class _UrlFile:
     dtype, shape, begin = self.tensors[name]
     out = np.empty(shape, dtype)
     try:
-      with paths.open_file(self.path, "rb") as f:
+      with storage.open_file(self.path, "rb") as f:
         f.seek(self.start + begin)
         self._read(f, out.reshape(-1).view(np.uint8))
     except OSError as e:
@@ -157,19 +157,19 @@ class SafetensorsReader:
   conversion work; `read` then holds only the one tensor it returns."""
 
   def __init__(self, directory: str):
-    index_path, single = paths.join(directory, INDEX), paths.join(directory, SINGLE)
-    if paths.isfile(index_path):
+    index_path, single = storage.join(directory, INDEX), storage.join(directory, SINGLE)
+    if storage.isfile(index_path):
       files = _index_files(index_path)
-    elif paths.isfile(single):
+    elif storage.isfile(single):
       files = [SINGLE]
     else:
       raise InputError(f"{directory}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
     self._where: dict[str, _LocalFile | _UrlFile] = {}
     for name in files:
-      path = paths.join(directory, name)
-      if not paths.isfile(path):
+      path = storage.join(directory, name)
+      if not storage.isfile(path):
         raise InputError(f"{path}: listed in {INDEX} but missing")
-      file = _UrlFile(path) if paths.is_url(path) else _LocalFile(path)
+      file = _UrlFile(path) if storage.is_url(path) else _LocalFile(path)
       for tensor in file.shapes:
         if tensor in self._where:  # two copies: which one is meant is unknowable
           raise InputError(f"tensor {tensor!r} is in both {self._where[tensor].path} and {path}")
@@ -192,7 +192,7 @@ class SafetensorsReader:
 
 def _index_files(index_path: str) -> list[str]:
   try:
-    files = json.loads(paths.read_text(index_path))["weight_map"].values()
+    files = json.loads(storage.read_text(index_path))["weight_map"].values()
     names = sorted({str(f) for f in files})
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise InputError(f"{index_path}: not a safetensors index (needs a weight_map object; {first_line(e)})") from None
@@ -214,7 +214,7 @@ def _write_file(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype, C
     offset += size
   raw = json.dumps(header, separators=(",", ":")).encode()
   raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
-  with paths.open_file(path, "wb") as f:
+  with storage.open_file(path, "wb") as f:
     f.write(struct.pack("<Q", len(raw)) + raw)
     for name, shape, dtype, produce in entries:
       array = np.ascontiguousarray(produce(), dtype=dtype)
@@ -244,16 +244,16 @@ def write_checkpoint(
       size = 0
     shards[-1].append(entry)
     size += nbytes
-  paths.makedirs(directory)
+  storage.makedirs(directory)
   if len(shards) == 1:
-    _write_file(paths.join(directory, SINGLE), shards[0])
+    _write_file(storage.join(directory, SINGLE), shards[0])
     return [SINGLE]
   names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   weight_map = {}
   for name, shard in zip(names, shards):
-    _write_file(paths.join(directory, name), shard)
+    _write_file(storage.join(directory, name), shard)
     weight_map.update({entry[0]: name for entry in shard})
   total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
-  with paths.open_file(paths.join(directory, INDEX), "w") as f:
+  with storage.open_file(storage.join(directory, INDEX), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   return names + [INDEX]

@@ -27,11 +27,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data.packing import StreamingPacker, empty_row
 from MaxLite.data.sources import open_source
 from MaxLite.data.tokenizer import Tokenizer, load_tokenizer
-from MaxLite.errors import ConfigError, InputError
 
 
 class _Tokenize(grain.transforms.Map):

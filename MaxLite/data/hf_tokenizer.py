@@ -14,8 +14,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from MaxLite import paths
-from MaxLite.errors import InputError, first_line
+from MaxLite import storage
+from MaxLite.cli.errors import InputError, first_line
 
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 # Spellings of BOS/EOS/pad in common model families, most specific first (<|endoftext|> ends a document in Qwen
@@ -29,10 +29,10 @@ _WELL_KNOWN = {
 
 def _read_json(path: str) -> dict[str, Any] | None:
   """The JSON object in `path`, None when there is no such file."""
-  if not paths.isfile(path):
+  if not storage.isfile(path):
     return None
   try:
-    data = json.loads(paths.read_text(path))
+    data = json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
     raise InputError(f"tokenizer_path: cannot read {path!r} ({first_line(e)})") from None
   if not isinstance(data, dict):
@@ -46,22 +46,22 @@ class HuggingFaceTokenizer:
 
   def __init__(self, path: str, is_directory: bool):
     self.path = path
-    folder = path if is_directory else paths.dirname(path)
-    file = paths.join(path, "tokenizer.json") if is_directory else path
-    if is_directory and not paths.isfile(file):
+    folder = path if is_directory else storage.dirname(path)
+    file = storage.join(path, "tokenizer.json") if is_directory else path
+    if is_directory and not storage.isfile(file):
       raise InputError(
         f"tokenizer_path: no tokenizer.json in {path!r}; tokenizer_type=huggingface needs a tokenizer.json "
         "file or a directory holding one"
       )
     try:
-      self._tok = Tokenizer.from_str(paths.read_text(file))
+      self._tok = Tokenizer.from_str(storage.read_text(file))
     except Exception as e:  # the Rust parser raises a plain Exception
       raise InputError(f"tokenizer_path: not a Hugging Face tokenizer.json: {file!r} ({first_line(e)})") from None
     # Some tokenizer.json files ship with truncation or padding on; a pretraining document must stay whole
     # (transformers turns them off per call too).
     self._tok.no_truncation()
     self._tok.no_padding()
-    configs = [(name, _read_json(paths.join(folder, name))) for name in _CONFIG_FILES]
+    configs = [(name, _read_json(storage.join(folder, name))) for name in _CONFIG_FILES]
     self.bos_id, self.eos_id, self.pad_id = (self._special_id(kind, configs) for kind in ("bos", "eos", "pad"))
     vocab = self._tok.get_vocab(with_added_tokens=True)
     # Added tokens may leave gaps, so the largest id (not the count) decides how many embedding rows are needed.

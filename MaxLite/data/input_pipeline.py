@@ -15,12 +15,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data.synthetic import SyntheticIterator
-from MaxLite.errors import ConfigError
-from MaxLite.paths import resolve, resolve_list
-from MaxLite.sharding import batch_sharding
+from MaxLite.parallel.sharding import batch_sharding
+from MaxLite.storage import resolve, resolve_list
 
 
 def check_tokenizer(config: Config) -> None:

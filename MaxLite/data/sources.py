@@ -27,12 +27,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from MaxLite import paths
-from MaxLite.errors import ConfigError, InputError, first_line
+from MaxLite import storage
+from MaxLite.cli.errors import ConfigError, InputError, first_line
+from MaxLite.config.choices import FILE_TYPES
 
-FILE_TYPES = ("arrayrecord", "parquet", "jsonl")
-# How file names of each type end: a config whose files say another type than grain_file_type is refused early.
-SUFFIXES = {"arrayrecord": ".array_record", "parquet": ".parquet", "jsonl": ".jsonl"}
 _WHAT = "data files (grain_train_files / grain_eval_files)"
 # Decoded Parquet row groups kept per source (at least the newest one, whatever its size).
 _CACHE_BYTES = 256 << 20
@@ -58,7 +56,7 @@ def open_source(files: str, file_type: str = "arrayrecord", text_column: str = "
     return ArrayRecordSource(resolve_files(files))
   if not text_column:
     raise ConfigError(f"grain_text_column is empty; name the {file_type} column/field that holds the text")
-  found = paths.expand_globs(files, _WHAT)
+  found = storage.expand_globs(files, _WHAT)
   return ParquetSource(found, text_column) if file_type == "parquet" else JsonlSource(found, text_column)
 
 
@@ -76,11 +74,10 @@ def _locate(ends: np.ndarray, index: int) -> tuple[int, int]:
 
 def resolve_files(files: str) -> list[tuple[str, int]]:
   """(path, record count) of every ArrayRecord file the globs name; InputError for none / unreadable."""
-  # Imported here, as grain and pyarrow are below: config validation imports this module for FILE_TYPES.
   from array_record.python.array_record_module import ArrayRecordReader
 
   out = []
-  for path in paths.expand_globs(files, _WHAT):
+  for path in storage.expand_globs(files, _WHAT):
     try:
       reader = ArrayRecordReader(path)
       out.append((path, reader.num_records()))
@@ -117,11 +114,11 @@ class ArrayRecordSource:
 
 @contextlib.contextmanager
 def _parquet_file(path: str, metadata: Any = None) -> Iterator[Any]:
-  """A pyarrow ParquetFile: local paths through pyarrow's own reader, URLs through a paths.open_file object."""
+  """A pyarrow ParquetFile: local paths through pyarrow's own reader, URLs through a storage.open_file object."""
   import pyarrow.parquet as pq
 
   with contextlib.ExitStack() as stack:
-    source = stack.enter_context(paths.open_file(path, "rb")) if paths.is_url(path) else path
+    source = stack.enter_context(storage.open_file(path, "rb")) if storage.is_url(path) else path
     yield stack.enter_context(pq.ParquetFile(source, metadata=metadata))
 
 
@@ -214,7 +211,7 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
   starts, stops = [], []
   base = 0  # file offset of the current piece
   line_start, line_has_text = 0, False  # the line still open at the end of the previous piece
-  with paths.open_file(path, "rb") as f:
+  with storage.open_file(path, "rb") as f:
     while piece := f.read(_SCAN_BYTES):
       data = np.frombuffer(piece, np.uint8)
       text = np.concatenate([[0], np.cumsum(~_BLANK[data], dtype=np.int32)])  # non-blank bytes before i
@@ -242,7 +239,7 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
 def _line_number(path: str, offset: int) -> int:
   """1-based number of the line starting at byte `offset` (only for error messages: it reads the file up to it)."""
   count = 1
-  with paths.open_file(path, "rb") as f:
+  with storage.open_file(path, "rb") as f:
     while offset > 0 and (piece := f.read(min(_SCAN_BYTES, offset))):
       count += piece.count(b"\n")
       offset -= len(piece)
@@ -277,7 +274,7 @@ class JsonlSource:
     path = self._files[file]
     start, stop = (int(s[line]) for s in self._spans[file])
     try:
-      raw = paths.read_range(path, start, stop)
+      raw = storage.read_range(path, start, stop)
     except InputError:
       raise
     except Exception as e:

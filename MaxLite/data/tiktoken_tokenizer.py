@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import tiktoken
 
-from MaxLite import paths
-from MaxLite.errors import InputError
+from MaxLite import storage
+from MaxLite.cli.errors import InputError
 
 # Llama 3's split of text into pre-tokens before BPE (the cl100k pattern).
 PATTERN = (
@@ -57,10 +57,10 @@ def _bad_file(path: str, why: str) -> InputError:
 
 def read_ranks(path: str) -> dict[bytes, int]:
   """The BPE ranks of a tiktoken file, the format tiktoken.load.load_tiktoken_bpe reads. Read through
-  MaxLite.paths rather than by that function: it fetches gs:// only through blobfile, and it caches a file's
+  MaxLite.storage rather than by that function: it fetches gs:// only through blobfile, and it caches a file's
   contents under /tmp by path name, so a file replaced at the same path would load its old ranks."""
   ranks: dict[bytes, int] = {}
-  for number, line in enumerate(paths.read_bytes(path).splitlines(), 1):
+  for number, line in enumerate(storage.read_bytes(path).splitlines(), 1):
     if not line.strip():
       continue
     try:

@@ -15,9 +15,9 @@ from typing import Protocol
 
 import sentencepiece as spm
 
-from MaxLite import paths
-from MaxLite.derived import TOKENIZER_TYPES
-from MaxLite.errors import InputError, first_line
+from MaxLite import storage
+from MaxLite.cli.errors import InputError, first_line
+from MaxLite.config.choices import TOKENIZER_TYPES
 
 
 class Tokenizer(Protocol):
@@ -50,7 +50,7 @@ class SentencePieceTokenizer:
     self._sp = spm.SentencePieceProcessor()
     try:
       # The model's bytes (local or gs://), so sentencepiece never needs a local copy of the file.
-      self._sp.load_from_serialized_proto(paths.read_bytes(path))
+      self._sp.load_from_serialized_proto(storage.read_bytes(path))
     except (OSError, RuntimeError) as e:
       raise InputError(
         f"tokenizer_path: not a sentencepiece model: {path!r} ({first_line(e)}); for a tokenizer.json set "
@@ -94,9 +94,9 @@ class SentencePieceTokenizer:
 def _is_directory(path: str) -> bool:
   """Whether `path` is a directory (else a file); InputError if it is neither or cannot be reached."""
   try:
-    if path and paths.isfile(path):
+    if path and storage.isfile(path):
       return False
-    found = bool(path) and paths.isdir(path)
+    found = bool(path) and storage.isdir(path)
   except InputError:
     raise
   except Exception as e:  # an unreachable bucket or missing credentials

@@ -19,9 +19,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-from MaxLite import cli, derived, paths
+from MaxLite import cli, storage
 from MaxLite import config as config_lib
-from MaxLite.errors import UsageError
+from MaxLite.cli.errors import UsageError
+from MaxLite.config import validation
 
 TAIL_LINES = 20
 # train.py of this installation (checkout or installed package), run as documented; `ps` shows train.py.
@@ -171,10 +172,10 @@ def run(argv: Sequence[str], doc: str) -> int:
   train_args = list(args.train_args)
   run_name = raw["run_name"]
   if not run_name:  # one name for every process (and for the log folder)
-    run_name = derived.default_run_name()
+    run_name = validation.default_run_name()
     train_args.append(f"run_name={run_name}")
-  log_dir = args.log_dir or paths.join(paths.absolute(raw["base_output_directory"]), run_name, "logs")
-  if not paths.is_url(log_dir):
+  log_dir = args.log_dir or storage.join(storage.absolute(raw["base_output_directory"]), run_name, "logs")
+  if not storage.is_url(log_dir):
     return launch(args.num_processes, args.devices_per_process, train_args, log_dir)
   # Logs are written as they come, which an object store cannot do: keep them here, copy them up at the end.
   with tempfile.TemporaryDirectory(prefix=f"{run_name}-logs-") as local_logs:
@@ -183,5 +184,5 @@ def run(argv: Sequence[str], doc: str) -> int:
     finally:
       for name in sorted(os.listdir(local_logs)):
         with open(os.path.join(local_logs, name), "rb") as f:
-          paths.write_bytes(paths.join(log_dir, name), f.read())
+          storage.write_bytes(storage.join(log_dir, name), f.read())
       print(f"launch_local: logs copied to {log_dir}", flush=True)

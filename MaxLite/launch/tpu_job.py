@@ -22,7 +22,7 @@ import shlex
 from collections.abc import Sequence
 
 from MaxLite import cli
-from MaxLite.errors import LaunchError
+from MaxLite.cli.errors import LaunchError
 from MaxLite.launch import tpu_pod
 
 # Runtime (OS image) versions Cloud TPU documents for JAX, by TPU generation.

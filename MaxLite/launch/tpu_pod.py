@@ -10,10 +10,10 @@ import tarfile
 import tempfile
 from collections.abc import Sequence
 
-from MaxLite import paths
-from MaxLite.errors import LaunchError
+from MaxLite import storage
+from MaxLite.cli.errors import LaunchError
 
-REPO_ROOT = paths.bundled_root()  # the code a launch packs by default: this checkout
+REPO_ROOT = storage.bundled_root()  # the code a launch packs by default: this checkout
 TPU = ("gcloud", "compute", "tpus")
 # Names go into remote shell commands, file paths and GCP resource names. Besides the safe alphabet, a
 # leading letter or digit keeps them from reading as an option ("-rf") or a parent directory ("..").

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from MaxLite import cli
-from MaxLite.errors import LaunchError
+from MaxLite.cli.errors import LaunchError
 from MaxLite.launch import tpu_pod
 
 # The port every worker's TPU runtime uses for traffic between slices. MaxText's runner sets no MEGASCALE_*

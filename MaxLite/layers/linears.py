@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxLite.layers.quantities import DType
-from MaxLite.sharding import logical_axis_is_split
+from MaxLite.parallel.sharding import logical_axis_is_split
 
 
 def _normalize(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:

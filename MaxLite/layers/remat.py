@@ -1,83 +1,17 @@
-"""Which activations a decoder layer keeps for the backward pass, and where (MaxText's named remat).
-
-The layer code tags activations with `checkpoint_name` under the names in REMAT_NAMES. A `remat_policy` is either
-a preset (a fixed choice of names kept in device memory or offloaded to pinned host memory), `full` (keep nothing
-but the layer's input, recompute the rest), `none` (no rematerialisation), or `custom`: each name's own config key
-(`query_proj: offload`, `mlpwi_0: device`, ...) says `remat`, `device` or `offload`. The presets are MaxText's, by
-the same names, so a MaxText command line keeps its meaning.
-
-The names and presets are plain data, so config validation reads them without importing jax.
-"""
+"""The jax.checkpoint policy a config's `remat_policy` names (the names and presets are in config/choices.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-# Every name a layer tags, in the order base.yml lists their `custom` keys.
-REMAT_NAMES = (
-  "decoder_layer_input",  # the layer's input (the scan saves it anyway; offload moves that copy to the host)
-  "query_proj",  # q, k, v after projection, q/k norm and RoPE: what attention reads
-  "key_proj",
-  "value_proj",
-  "qkv_proj",  # the fused q/k/v projection before it is split (fused_qkv=true)
-  "context",  # attention's output, before the output projection
-  "out_proj",  # the output projection (the attention block's result)
-  "mlpwi_0",  # the gate projection
-  "mlpwi_1",  # the up projection
-  "mlpwi",  # the fused gate+up projection (fused_mlp=true)
-  "mlpwo",  # the MLP (or MoE) block's result
-  "moe_mlpwi_0",  # per-expert gate, up and down projections of the dispatched tokens
-  "moe_mlpwi_1",
-  "moe_mlpwo",
-)
-PLACEMENTS = ("remat", "device", "offload")
+import jax
 
-_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
-_MLP = ("mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
-_MINIMAL = (*_QKV, "out_proj", *_MLP)
-
-
-class Placement(NamedTuple):
-  on_device: tuple[str, ...]
-  offloaded: tuple[str, ...]
-
-
-# MaxText HEAD's presets (layers/decoders.py get_remat_policy and maxtext_utils.get_save_and_offload_names), plus
-# MaxLite's save_dot_except_mlp_offloaded.
-PRESETS: dict[str, Placement] = {
-  "minimal": Placement(_MINIMAL, ()),
-  "minimal_with_context": Placement((*_MINIMAL, "context"), ()),
-  "save_dot_with_context_except_mlp": Placement((*_QKV, "context", "out_proj"), ()),
-  "save_dot_except_mlpwi": Placement((*_QKV, "out_proj", "mlpwo"), ()),
-  "save_dot_except_mlp": Placement((*_QKV, "out_proj"), ()),
-  "save_qkv_proj": Placement(_QKV, ()),
-  "save_out_proj": Placement(("out_proj",), ()),
-  "qkv_proj_offloaded": Placement((), ("query_proj", "key_proj", "value_proj")),
-  "minimal_offloaded": Placement((), _MINIMAL),
-  "save_dot_except_mlp_offloaded": Placement((), (*_QKV, "out_proj")),
-}
-REMAT_POLICIES = ("none", "full", *PRESETS, "custom")
-
-
-def placement(config: Mapping[str, Any] | Any) -> Placement:
-  """The names `config`'s remat_policy keeps on the device and offloads; `custom` reads each name's key."""
-  get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key)
-  policy = get("remat_policy")
-  if policy in PRESETS:
-    return PRESETS[policy]
-  if policy == "custom":
-    choice = {name: get(name) for name in REMAT_NAMES}
-    return Placement(
-      tuple(n for n in REMAT_NAMES if choice[n] == "device"), tuple(n for n in REMAT_NAMES if choice[n] == "offload")
-    )
-  return Placement((), ())
+from MaxLite.config.choices import placement
 
 
 def remat_policy(config: Mapping[str, Any] | Any) -> Any:
   """The jax.checkpoint policy for the config's remat_policy (None = save nothing: `full`)."""
-  import jax  # here, not at the top: config validation imports this module for the names alone
-
   kept = placement(config)
   if not kept.offloaded:
     return jax.checkpoint_policies.save_only_these_names(*kept.on_device) if kept.on_device else None

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from MaxLite.config import Config
-from MaxLite.layers.splash_blocks import capped_blocks
+from MaxLite.config.splash_blocks import capped_blocks
 
 
 def block_sizes(config: Config, q_len: int, kv_len: int) -> kernel_lib.BlockSizes:

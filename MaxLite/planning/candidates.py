@@ -14,10 +14,9 @@ import itertools
 import math
 from typing import Any
 
-from MaxLite import derived
-from MaxLite.config import Config
-from MaxLite.errors import ConfigError
-from MaxLite.topologies import Target
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import Config, choices, validation
+from MaxLite.parallel.topologies import Target
 
 GiB = 2**30
 # Recomputation each remat policy adds to the model FLOPs (forward = 1/3 of a training step; "full" recomputes it
@@ -41,7 +40,7 @@ CUSTOM_SEARCHED = (
   {"decoder_layer_input": "offload", "query_proj": "device", "key_proj": "device", "value_proj": "device"},
 )
 BATCHES = (0.5, 1, 2, 4, 8, 16, 32)
-MESH_KEYS = {axis: f"ici_{derived.AXIS_KEY[axis]}_parallelism" for axis in derived.MESH_AXES}
+MESH_KEYS = {axis: f"ici_{choices.AXIS_KEY[axis]}_parallelism" for axis in choices.MESH_AXES}
 
 
 @dataclasses.dataclass
@@ -118,7 +117,7 @@ def enumerate_plans(raw: dict[str, Any], target: Target, num_slices: int, pinned
 def validate(plan: Candidate, raw: dict[str, Any], target: Target, num_slices: int) -> str | None:
   """None if the config validator accepts the plan (plan.config is then set), else its one-line reason."""
   try:
-    plan.config = derived.validate_and_derive(
+    plan.config = validation.validate_and_derive(
       {**raw, **plan.overrides, "run_name": "plan"},
       num_devices=target.num_devices * num_slices,
       num_slices=num_slices,
@@ -135,7 +134,7 @@ def memory_lower_bound(c: dict[str, Any]) -> float:
   that shard it, and the activations its remat policy keeps on the device."""
   weight = 2 if c["weight_dtype"] == "bfloat16" else 4
   act = 2 if c["dtype"] == "bfloat16" else 4
-  mesh = dict(zip(derived.MESH_AXES, c["mesh_shape"]))
+  mesh = dict(zip(choices.MESH_AXES, c["mesh_shape"]))
   # params, two AdamW moments and the gradients; what host offload keeps off the device between steps is left out,
   # so the bound stays below what the compiler can achieve
   copies = 4 - c["parameter_memory_host_offload"] - 2 * c["optimizer_memory_host_offload"]
@@ -163,7 +162,7 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   from MaxLite.training import flops
 
   chip = target.chip
-  mesh = dict(zip(derived.MESH_AXES, c["mesh_shape"]))
+  mesh = dict(zip(choices.MESH_AXES, c["mesh_shape"]))
   per_device = flops.training_flops_per_step(Config(c))["total"] / c["num_devices"]
   compute = per_device * RECOMPUTE.get(c["remat_policy"], 1.0) / (chip.peak_bf16_tflops * 1e12)
   send = chip.ici_gbits_per_s / 8 * 1e9 / 2

@@ -15,9 +15,9 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from MaxLite import topologies
+from MaxLite.parallel import topologies
+from MaxLite.parallel.topologies import Chip, Target
 from MaxLite.planning.hlo_costs import Op
-from MaxLite.topologies import Chip, Target
 
 COLLECTIVE_LATENCY_S = 5e-6  # per collective: launch and synchronisation, whatever its size
 # cpu-N (simulated devices sharing this machine's cores): nominal per-device numbers, so plans for the CPU mesh can

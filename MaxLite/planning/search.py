@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from MaxLite import paths, topologies
-from MaxLite.errors import first_line
+from MaxLite import storage
+from MaxLite.cli.errors import first_line
+from MaxLite.parallel import topologies
 from MaxLite.planning.candidates import Candidate
 
 _IGNORED = {"run_name", "run_dir", "tensorboard_dir", "checkpoint_dir", "metrics_file", "base_output_directory"}
@@ -55,7 +56,7 @@ def _toolchain(target: topologies.Target) -> str:
   import importlib.metadata
 
   parts = [importlib.metadata.version("jax"), importlib.metadata.version("jaxlib")]
-  libtpu = topologies.find_libtpu(paths.bundled_root()) if target.platform == "tpu" else None
+  libtpu = topologies.find_libtpu(storage.bundled_root()) if target.platform == "tpu" else None
   if libtpu:
     stat = os.stat(libtpu)
     parts.append(f"libtpu:{stat.st_size}:{int(stat.st_mtime)}")
@@ -74,7 +75,7 @@ def cache_dir(config_value: str) -> str:
 
 
 def _init_worker(target_name: str) -> None:
-  from MaxLite.train_compile import prepare_backend
+  from MaxLite.aot.compile_step import prepare_backend
 
   # Several compile-only workers load libtpu at once; its single-process lock file is for real TPU hosts.
   os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
@@ -85,9 +86,9 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   """In a worker: compile the plan's train step for the target; memory, prediction and largest collectives."""
   import jax  # noqa: F401  (after prepare_backend)
 
-  from MaxLite.config import Config
+  from MaxLite.aot.compile_step import lower_train_step, memory_total, out_of_memory, target_devices
+  from MaxLite.config import Config, choices
   from MaxLite.planning import hlo_costs, perf_model
-  from MaxLite.train_compile import _memory_total, lower_train_step, out_of_memory, target_devices
   from MaxLite.training import flops
 
   target = perf_model.planning_target(target_name, hbm_gib)
@@ -100,18 +101,17 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
     oom = out_of_memory(str(e))
     return {"fits": False, "error": oom or first_line(e, with_type=True), "compile_s": time.perf_counter() - started}
   mem = compiled.memory_analysis()
-  device_bytes, host_bytes = _memory_total(mem, ""), _memory_total(mem, "host_")
+  device_bytes, host_bytes = memory_total(mem, ""), memory_total(mem, "host_")
   out: dict[str, Any] = {"device_bytes": device_bytes, "host_bytes": host_bytes}
   out["fits"] = device_bytes <= target.chip.hbm_bytes
   out["compile_s"] = time.perf_counter() - started
-  from MaxLite import derived
 
-  ops = hlo_costs.device_ops(compiled.as_text(), derived.MESH_AXES, c.mesh_shape)
+  ops = hlo_costs.device_ops(compiled.as_text(), choices.MESH_AXES, c.mesh_shape)
   net = perf_model.Interconnect(
     target.chip,
     perf_model.torus(target),
-    dict(zip(derived.MESH_AXES, c.ici_mesh_shape)),
-    dict(zip(derived.MESH_AXES, c.dcn_mesh_shape)),
+    dict(zip(choices.MESH_AXES, c.ici_mesh_shape)),
+    dict(zip(choices.MESH_AXES, c.dcn_mesh_shape)),
   )
   step_flops = flops.training_flops_per_step(c)
   model_flops = step_flops["total"] / c.num_devices

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.config import Config
 
 # Objects in a bucket cannot be appended to: metrics.jsonl there is rewritten whole, at most this often
@@ -19,7 +19,7 @@ class _ObjectLines:
 
   def __init__(self, path: str):
     self._path = path
-    self._text = paths.read_text(path) if paths.exists(path) else ""
+    self._text = storage.read_text(path) if storage.exists(path) else ""
     self._dirty, self._written = False, time.monotonic()
 
   def write(self, line: str) -> None:
@@ -30,7 +30,7 @@ class _ObjectLines:
 
   def flush(self) -> None:
     if self._dirty:
-      paths.write_text(self._path, self._text)
+      storage.write_text(self._path, self._text)
       self._dirty, self._written = False, time.monotonic()
 
   def close(self) -> None:
@@ -46,10 +46,10 @@ class MetricsWriter:
     self._jsonl = None
     if not is_primary:
       return
-    if paths.is_url(config.metrics_file):
+    if storage.is_url(config.metrics_file):
       self._jsonl = _ObjectLines(config.metrics_file)
     else:
-      paths.makedirs(config.run_dir)
+      storage.makedirs(config.run_dir)
       self._jsonl = open(config.metrics_file, "a", encoding="utf-8", buffering=1)  # each row on disk at once
     if config.enable_tensorboard:
       from tensorboardX import SummaryWriter

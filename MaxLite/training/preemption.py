@@ -15,7 +15,7 @@ import jax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from MaxLite.errors import first_line
+from MaxLite.cli.errors import first_line
 
 
 class PreemptionWatcher:

@@ -13,7 +13,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 from MaxLite.config import Config
-from MaxLite.sharding import logical_to_sharding
+from MaxLite.parallel.sharding import logical_to_sharding, unbox
 
 TrainState = train_state.TrainState
 
@@ -35,15 +35,6 @@ def _new_state(model: nn.Module, tx: optax.GradientTransformation, params: Any) 
   return state.replace(step=jnp.zeros((), jnp.int32))
 
 
-def _unbox(tree: Any) -> Any:
-  """Strip logical-partitioning boxes without adding sharding constraints (shardings come from jit)."""
-  return jax.tree.map(
-    lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
-    tree,
-    is_leaf=lambda x: isinstance(x, nn.Partitioned),
-  )
-
-
 def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh):
   """(unboxed abstract state, logical PartitionSpecs, NamedShardings), all with the state's tree structure."""
   init = functools.partial(_init_state, model, tx, config)
@@ -51,7 +42,7 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: C
   # target whose devices cannot execute anything.
   boxed = jax.eval_shape(lambda: init(jax.random.key(config.init_weights_seed)))
   logical = nn.get_partition_spec(boxed)
-  return _unbox(boxed), logical, logical_to_sharding(logical, mesh, config)
+  return unbox(boxed), logical, logical_to_sharding(logical, mesh, config)
 
 
 def create_train_state(
@@ -59,7 +50,7 @@ def create_train_state(
 ) -> TrainState:
   """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state."""
   init = jax.jit(functools.partial(_init_state, model, tx, config), out_shardings=shardings)
-  return _unbox(init(jax.random.key(config.init_weights_seed)))
+  return unbox(init(jax.random.key(config.init_weights_seed)))
 
 
 def state_from_params(model: nn.Module, tx: optax.GradientTransformation, params: Any, shardings: Any) -> TrainState:

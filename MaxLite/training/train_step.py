@@ -11,7 +11,7 @@ import optax
 
 from MaxLite.config import Config
 from MaxLite.layers.decoder import logits_dtype
-from MaxLite.sharding import on_device
+from MaxLite.parallel.sharding import on_device
 from MaxLite.training import loss
 from MaxLite.training.optimizer import learning_rate_schedule
 from MaxLite.training.train_state import TrainState

@@ -18,15 +18,15 @@ import numpy as np
 from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import sharding as sharding_lib
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.emergency import EmergencyCheckpoints
 from MaxLite.checkpoint.resume_checks import check_resume
+from MaxLite.cli.errors import MaxLiteError
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
-from MaxLite.errors import MaxLiteError
 from MaxLite.layers.decoder import Transformer
-from MaxLite.mesh import create_mesh, describe_mesh
+from MaxLite.parallel import sharding as sharding_lib
+from MaxLite.parallel.mesh import create_mesh, describe_mesh
 from MaxLite.training import flops
 from MaxLite.training.metrics import MetricsWriter, log_line
 from MaxLite.training.optimizer import create_optimizer

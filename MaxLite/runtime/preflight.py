@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config
-from MaxLite.errors import ConfigError
-from MaxLite.launch import distributed
+from MaxLite.runtime import distributed
 
 # Keys that legitimately differ between the processes of one job.
 _PER_PROCESS_KEYS = ("process_id",)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
-from MaxLite import paths
+from MaxLite import storage
 
 # Old MaxLite name -> MaxText's name for the same setting.
 RENAMED = {
@@ -28,5 +28,5 @@ RENAMED_VALUES = {"decode_sampling_strategy": {"temperature": "weighted", "top_k
 @functools.cache
 def unimplemented() -> frozenset[str]:
   """MaxText's keys that MaxLite lacks (configs/maxtext_unimplemented.txt)."""
-  with open(os.path.join(paths.configs_dir(), "maxtext_unimplemented.txt"), encoding="utf-8") as f:
+  with open(os.path.join(storage.configs_dir(), "maxtext_unimplemented.txt"), encoding="utf-8") as f:
     return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))

@@ -121,3 +121,12 @@ def _axes(axes: tuple[Any, ...]) -> str:
     return a if isinstance(a, str) else "+".join(a)
 
   return "(" + ", ".join(one(a) for a in axes) + ")"
+
+
+def unbox(tree: Any) -> Any:
+  """Strip logical-partitioning boxes without adding sharding constraints (shardings come from jit)."""
+  return jax.tree.map(
+    lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, nn.Partitioned),
+  )

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from MaxLite.errors import MaxLiteError, UsageError
+from MaxLite.cli.errors import MaxLiteError, UsageError
 
 BAD_INPUT = 2
 INTERRUPTED = 130

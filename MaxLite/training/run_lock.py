@@ -36,10 +36,10 @@ from typing import Any
 
 from absl import logging
 
-from MaxLite import paths
+from MaxLite import storage
 from MaxLite.checkpoint import agreement
+from MaxLite.cli.errors import ConfigError, InputError, MaxLiteError, first_line
 from MaxLite.config import Config
-from MaxLite.errors import ConfigError, InputError, MaxLiteError, first_line
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 60.0
@@ -47,7 +47,7 @@ STALE_AFTER_S = 600.0
 
 
 def lock_path(config: Config) -> str:
-  return paths.join(config.run_dir, LOCK_FILE)
+  return storage.join(config.run_dir, LOCK_FILE)
 
 
 def _record() -> dict[str, Any]:
@@ -111,7 +111,7 @@ class _LocalLock:
   def __init__(self, config: Config):
     self.path = lock_path(config)
     try:
-      paths.makedirs(config.run_dir)
+      storage.makedirs(config.run_dir)
       self._fd = self._open_locked(config)
       previous = _parse(os.pread(self._fd, 1 << 16, 0).decode("utf-8", "replace"))
       if previous:
@@ -186,10 +186,10 @@ class _ObjectLock:
   def _take(self, config: Config) -> int:
     for _ in range(3):
       try:
-        paths.create_new(self.path, json.dumps(self._record))
+        storage.create_new(self.path, json.dumps(self._record))
       except FileExistsError:
         pass
-      found = paths.read_generation(self.path)
+      found = storage.read_generation(self.path)
       if found is None:  # released between our two calls: try again
         continue
       owner, generation = _parse(found[0]), found[1]
@@ -204,7 +204,7 @@ class _ObjectLock:
           f"over; {self.path})"
         )
       logging.warning("%s: taking over the lock of %s: %s", self.path, _owner(owner), stale)
-      paths.remove_generation(self.path, generation)
+      storage.remove_generation(self.path, generation)
     raise ConfigError(f"run directory {config.run_dir}: another run keeps taking its lock ({self.path})")
 
   @staticmethod
@@ -218,7 +218,7 @@ class _ObjectLock:
 
   def _taken_by(self) -> str | None:
     """Who holds the lock if not this run (None: this run does). Caller holds _mutex."""
-    found = paths.read_generation(self.path)
+    found = storage.read_generation(self.path)
     if found is None:
       return "nothing (the lock object was deleted)"
     owner = _parse(found[0])
@@ -235,7 +235,7 @@ class _ObjectLock:
           return
         try:
           self._record["heartbeat"] = time.time()
-          generation = paths.replace_generation(self.path, json.dumps(self._record), self._generation)
+          generation = storage.replace_generation(self.path, json.dumps(self._record), self._generation)
           if generation is None:  # someone wrote (or deleted) the lock since our last write
             self._lose(self._taken_by() or "another writer")
             return
@@ -261,16 +261,16 @@ class _ObjectLock:
     self._thread.join()
     try:
       with self._mutex:
-        found = paths.read_generation(self.path)
+        found = storage.read_generation(self.path)
         if found is not None and _parse(found[0]).get("token") == self._record["token"]:
-          paths.remove_generation(self.path, found[1])
+          storage.remove_generation(self.path, found[1])
     except Exception as e:
       logging.warning("%s: could not remove the lock (%s)", self.path, first_line(e, with_type=True))
 
 
 def acquire(config: Config) -> _LocalLock | _ObjectLock:
   """Takes the run directory's lock (creating the directory), or raises naming the run that holds it."""
-  return _ObjectLock(config) if paths.is_url(config.run_dir) else _LocalLock(config)
+  return _ObjectLock(config) if storage.is_url(config.run_dir) else _LocalLock(config)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

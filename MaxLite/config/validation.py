@@ -11,25 +11,26 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from MaxLite import attention_choice, paths
-from MaxLite.data import sources
-from MaxLite.errors import ConfigError
-from MaxLite.layers import remat
-
-MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
-# Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
-AXIS_KEY = {
-  "data": "data",
-  "stage": "pipeline",
-  "fsdp": "fsdp",
-  "sequence": "sequence",
-  "tensor": "tensor",
-  "expert": "expert",
-}
-REMAT_POLICIES = remat.REMAT_POLICIES
-DTYPES = ("float32", "bfloat16")
-DATASET_TYPES = ("synthetic", "grain")
-TOKENIZER_TYPES = ("sentencepiece", "huggingface", "tiktoken")  # MaxText's names
+from MaxLite import storage
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import attention_choice
+from MaxLite.config.choices import (
+  ATTENTION,
+  AXIS_KEY,
+  DATASET_TYPES,
+  DECODE_SAMPLING_STRATEGIES,
+  DECODER_BLOCKS,
+  DTYPES,
+  FILE_SUFFIXES,
+  FILE_TYPES,
+  MESH_AXES,
+  PLACEMENTS,
+  PROFILERS,
+  REMAT_NAMES,
+  REMAT_POLICIES,
+  ROPE_TYPES,
+  TOKENIZER_TYPES,
+)
 
 
 def default_run_name() -> str:
@@ -88,22 +89,22 @@ def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[
 def _check_choices(c: dict[str, Any]) -> None:
   for key, choices in (
     ("remat_policy", REMAT_POLICIES),
-    ("attention", attention_choice.ATTENTION),
+    ("attention", ATTENTION),
     ("dtype", DTYPES),
     ("weight_dtype", DTYPES),
     ("dataset_type", DATASET_TYPES),
     ("tokenizer_type", TOKENIZER_TYPES),
-    ("grain_file_type", sources.FILE_TYPES),
-    ("decoder_block", ("llama2",)),
-    ("rope_type", ("default", "llama3.1", "yarn")),
-    ("profiler", ("", "xplane")),
-    ("decode_sampling_strategy", ("greedy", "weighted", "topk", "nucleus")),
+    ("grain_file_type", FILE_TYPES),
+    ("decoder_block", DECODER_BLOCKS),
+    ("rope_type", ROPE_TYPES),
+    ("profiler", PROFILERS),
+    ("decode_sampling_strategy", DECODE_SAMPLING_STRATEGIES),
   ):
     if c[key] not in choices:
       raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
-  for name in remat.REMAT_NAMES:
-    if c[name] not in remat.PLACEMENTS:
-      raise ConfigError(f"{name}={c[name]!r} is not one of: {', '.join(repr(x) for x in remat.PLACEMENTS)}")
+  for name in REMAT_NAMES:
+    if c[name] not in PLACEMENTS:
+      raise ConfigError(f"{name}={c[name]!r} is not one of: {', '.join(repr(x) for x in PLACEMENTS)}")
   if list(c["mlp_activations"]) != ["silu", "linear"]:
     raise ConfigError(f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU)")
   for rule in c["logical_axis_rules"]:
@@ -125,7 +126,7 @@ def _check_data_files(c: dict[str, Any]) -> None:
     return
   for key in ("grain_train_files", "grain_eval_files"):
     for pattern in c[key].split(","):
-      named = [t for t, suffix in sources.SUFFIXES.items() if pattern.strip().endswith(suffix)]
+      named = [t for t, suffix in FILE_SUFFIXES.items() if pattern.strip().endswith(suffix)]
       if named and named[0] != c["grain_file_type"]:
         fix = f"set grain_file_type={named[0]}"
         if key == "grain_eval_files":
@@ -312,7 +313,7 @@ def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> Non
     return
   if not c["enable_checkpointing"]:
     raise ConfigError("enable_emergency_checkpoint=true needs enable_checkpointing=true")
-  if not c["local_checkpoint_directory"] or paths.is_url(c["local_checkpoint_directory"]):
+  if not c["local_checkpoint_directory"] or storage.is_url(c["local_checkpoint_directory"]):
     raise ConfigError(
       f"enable_emergency_checkpoint=true needs local_checkpoint_directory, a directory on each host's own disk "
       f"(got {c['local_checkpoint_directory']!r})"
@@ -386,7 +387,7 @@ def validate_and_derive(
   _check_megablox(c, platform)
 
   run_name = c["run_name"] or default_run_name()
-  run_dir = paths.join(paths.absolute(c["base_output_directory"]), run_name)
+  run_dir = storage.join(storage.absolute(c["base_output_directory"]), run_name)
   schedule_steps = c["steps"] if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
   c.update(
     run_name=run_name,
@@ -404,9 +405,9 @@ def validate_and_derive(
     micro_batch_size=micro_batch,
     global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],
     run_dir=run_dir,
-    tensorboard_dir=paths.join(run_dir, "tensorboard"),
-    checkpoint_dir=paths.join(run_dir, "checkpoints"),
-    metrics_file=paths.join(run_dir, "metrics.jsonl"),
+    tensorboard_dir=storage.join(run_dir, "tensorboard"),
+    checkpoint_dir=storage.join(run_dir, "checkpoints"),
+    metrics_file=storage.join(run_dir, "metrics.jsonl"),
     num_params=parameter_count(c),
     moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,

@@ -1,6 +1,6 @@
 """After setup.sh: is the installed jax able to drive the DEVICE asked for? Never starts a jax runtime.
 
-  DEVICE=tpu python -m MaxLite.launch.install_check
+  DEVICE=tpu python -m MaxLite.runtime.install_check
 
 Starting the runtime would take the TPU chips (and on a pod worker wait for the other hosts), so this only
 looks at what is installed and what hardware the machine has. Exit 0 with a summary line, or 2 with one
@@ -16,8 +16,8 @@ import os
 import shutil
 import sys
 
-from MaxLite.errors import ConfigError
-from MaxLite.launch.distributed import tpu_chips_present
+from MaxLite.cli.errors import ConfigError
+from MaxLite.runtime.distributed import tpu_chips_present
 
 
 def _installed(*modules: str) -> bool:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import re
 
-from MaxLite.errors import ConfigError
+from MaxLite.cli.errors import ConfigError
 
 GiB = 2**30
 

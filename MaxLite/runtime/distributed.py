@@ -17,8 +17,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from MaxLite import derived
-from MaxLite.errors import ConfigError
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import validation
 
 # JAX's own deadline is set this much later than ours, so our clear message wins the race against
 # the runtime's abort (a C++ fatal error that Python cannot catch).
@@ -117,6 +117,6 @@ def shared_run_name(raw: dict[str, Any]) -> None:
     return
   key = "maxlite/run_name"
   if jax.process_index() == 0:
-    coordination_client().key_value_set(key, derived.default_run_name())
+    coordination_client().key_value_set(key, validation.default_run_name())
   timeout_ms = 1000 * raw["jax_distributed_initialization_timeout"]
   raw["run_name"] = coordination_client().blocking_key_value_get(key, timeout_ms)

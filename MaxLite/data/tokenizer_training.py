@@ -1,30 +1,23 @@
-"""Trains a sentencepiece tokenizer on ArrayRecord shards (from prepare.py), Parquet / JSONL files or plain text.
+"""Training a sentencepiece tokenizer on ArrayRecord shards, Parquet / JSONL or plain text: train_tokenizer.py's work.
 
-Example (or: maxlite-train-tokenizer ...):
-  python MaxLite/data/train_tokenizer.py --input 'assets/corpus/train-*.array_record' \
-      --model_prefix assets/tokenizer/maxlite_sp8k --vocab_size 8192
-
-Text is streamed to the trainer one line at a time (sentencepiece's sentence_iterator) and the
-trainer keeps at most --input_sentence_size of them (a uniform sample), so memory is bounded
-whatever the input size. Ids follow the Llama convention: unk=0, bos=1, eos=2, no pad piece
-(padding is segmentation 0 in the batch). byte_fallback makes every UTF-8 string encodable;
-normalization is off and whitespace kept as is so that decode(encode(text)) == text, code
+Text is streamed to the trainer one line at a time (sentencepiece's sentence_iterator) and the trainer keeps at most
+`input_sentence_size` of them (a uniform sample), so memory is bounded whatever the input size. Ids follow the Llama
+convention: unk=0, bos=1, eos=2, no pad piece (padding is segmentation 0 in the batch). byte_fallback makes every
+UTF-8 string encodable; normalization is off and whitespace kept as is so that decode(encode(text)) == text, code
 indentation included.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator, Sequence
 
 import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordReader
 
-from MaxLite import cli
+from MaxLite.cli.errors import InputError, first_line
 from MaxLite.data.sources import open_source
-from MaxLite.errors import InputError, first_line
-from MaxLite.paths import expand_globs
+from MaxLite.storage import expand_globs
 
 # sentencepiece silently drops longer "sentences"; lines above this are cut into pieces.
 _MAX_SENTENCE_BYTES = 4096
@@ -110,41 +103,3 @@ def train_tokenizer(
     minloglevel=2,
   )
   return model_prefix + ".model"
-
-
-def run(argv: Sequence[str]) -> int:
-  p = cli.FlagParser(__doc__)
-  p.add_argument("--input", required=True, help="glob(s), comma-separated: .array_record, .parquet, .jsonl or text")
-  p.add_argument("--text_column", default="text", help="the text of .parquet rows / .jsonl objects (grain_text_column)")
-  p.add_argument("--model_prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-  p.add_argument("--vocab_size", type=int, default=8192)
-  p.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe")
-  p.add_argument("--input_sentence_size", type=int, default=2_000_000, help="max lines sampled for training")
-  p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args(argv)
-  try:
-    path = train_tokenizer(
-      args.input,
-      args.model_prefix,
-      args.vocab_size,
-      model_type=args.model_type,
-      input_sentence_size=args.input_sentence_size,
-      seed=args.seed,
-      text_column=args.text_column,
-    )
-  except RuntimeError as e:  # sentencepiece's own complaints, e.g. a vocabulary too large for the text
-    raise InputError(f"sentencepiece: {str(e).strip().splitlines()[-1]}") from None
-  sp = spm.SentencePieceProcessor(model_file=path)
-  print(
-    f"train_tokenizer: wrote {path} (vocab {sp.get_piece_size()}, unk={sp.unk_id()} bos={sp.bos_id()} "
-    f"eos={sp.eos_id()})"
-  )
-  return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  return cli.run(run, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -22,9 +22,9 @@ import socket
 import urllib.parse
 from typing import IO, Any
 
-from MaxLite.errors import InputError, first_line
+from MaxLite.cli.errors import InputError, first_line
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # MaxLite/
 _CONNECT_TIMEOUT_S = 10.0
 _GCS_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 

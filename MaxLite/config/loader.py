@@ -3,7 +3,7 @@
 Order of precedence (later wins): the `base_config:` chain, the YAML named on the command line,
 `configs/models/<model_name>.yml`, then command-line overrides. Every key must exist in
 configs/base.yml, and every value is typed from the default there. Derived values (mesh shape,
-global batch, run directories, parameter count) are added by `derived.py`, so the rest of MaxLite
+global batch, run directories, parameter count) are added by `validation.py`, so the rest of MaxLite
 reads a single object and never recomputes them.
 """
 
@@ -20,12 +20,13 @@ from typing import Any
 import yaml
 from absl import logging
 
-from MaxLite import maxtext_compat, paths
-from MaxLite.checkpoint import saved_config_path, step_dir_of
-from MaxLite.errors import ConfigError
+from MaxLite import storage
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import maxtext_compat, validation
+from MaxLite.storage.layout import saved_config_path, step_dir_of
 
-BASE_CONFIG_PATH = os.path.join(paths.configs_dir(), "base.yml")
-MODELS_DIR = os.path.join(paths.configs_dir(), "models")
+BASE_CONFIG_PATH = os.path.join(storage.configs_dir(), "base.yml")
+MODELS_DIR = os.path.join(storage.configs_dir(), "models")
 
 
 class Config:
@@ -258,9 +259,9 @@ MODEL_KEYS = (
 def checkpoint_model_settings(path: str) -> dict[str, Any] | None:
   """The model keys stored with a checkpoint step (…/<step> or …/<step>/state), if it has them."""
   saved = saved_config_path(step_dir_of(path))
-  if not paths.isfile(saved):
+  if not storage.isfile(saved):
     return None
-  stored = json.loads(paths.read_text(saved))
+  stored = json.loads(storage.read_text(saved))
   return {k: stored[k] for k in MODEL_KEYS if k in stored}
 
 
@@ -278,6 +279,23 @@ def _take_model_from_checkpoint(config: dict[str, Any], explicit: set[str], defa
       logging.warning("%s=%s overrides the value %s of the checkpoint %s", key, config[key], saved, path)
 
 
+def build(
+  raw: dict[str, Any],
+  *,
+  num_devices: int | None = None,
+  num_slices: int | None = None,
+  process_count: int | None = None,
+  platform: str | None = None,
+) -> Config:
+  """The validated, frozen config from `load_raw`'s keys: the one way every command makes its Config. Device
+  counts and platform default to what JAX sees (compile-only tools pass the target's)."""
+  return Config(
+    validation.validate_and_derive(
+      raw, num_devices=num_devices, num_slices=num_slices, process_count=process_count, platform=platform
+    )
+  )
+
+
 def load_config(
   argv: Sequence[str],
   *,
@@ -285,10 +303,5 @@ def load_config(
   num_slices: int | None = None,
   process_count: int | None = None,
 ) -> Config:
-  """Build the validated, frozen config. Device counts default to what JAX sees."""
-  from MaxLite import derived
-
-  raw = load_raw(argv)
-  return Config(
-    derived.validate_and_derive(raw, num_devices=num_devices, num_slices=num_slices, process_count=process_count)
-  )
+  """load_raw + build: the validated, frozen config of a command line."""
+  return build(load_raw(argv), num_devices=num_devices, num_slices=num_slices, process_count=process_count)

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from MaxLite.errors import ConfigError
-from MaxLite.layers import splash_blocks
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import splash_blocks
 
-# The attention key's values; MaxText's spellings map onto MaxLite's (flash is its TPU splash kernel).
-ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax")
 _ALIASES = {"flash": "splash", "cudnn_flash_jax": "cudnn"}
 _GPU = ("gpu", "cuda")  # jax's names for an NVIDIA backend (cuDNN does not exist on ROCm)
 

@@ -10,7 +10,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from MaxLite.config import Config
-from MaxLite.derived import MESH_AXES
+from MaxLite.config.choices import MESH_AXES
 
 
 def _slice_groups(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:

@@ -1,0 +1,280 @@
+"""The train step compiled ahead of time for a topology (a TPU slice, or cpu-N), and the report of what it needs.
+
+Compiling needs only the backend's compiler (libtpu for TPU targets, never a TPU): `prepare_backend` points jax at
+it, `target_devices` makes the slice's devices, `lower_train_step` lowers the real step with the real shardings,
+and `report` reads the compiled program's memory, FLOPs and largest buffers. `run` is train_compile.py's body.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from MaxLite import config as config_lib
+from MaxLite import storage
+from MaxLite.aot import buffer_report
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import choices
+from MaxLite.parallel import topologies
+
+DOES_NOT_FIT = 3
+
+
+def prepare_backend(target: topologies.Target, repo: str | None = None, dump_dir: str | None = None) -> None:
+  """Environment for the target; must run before jax is imported. dump_dir: where XLA writes the train
+  step's buffer reports (for the largest-buffers table)."""
+  libtpu = topologies.find_libtpu(repo or storage.bundled_root()) if target.platform == "tpu" else None
+  if target.platform == "tpu" and libtpu is None:
+    raise ConfigError(
+      f"compile_topology={target.name} needs libtpu (compile-only, no TPU required): run "
+      "`bash setup.sh` (installs it into .deps/libtpu) or `pip install 'libtpu==0.0.42.*'`, "
+      "or set TPU_LIBRARY_PATH to a libtpu.so"
+    )
+  os.environ["JAX_PLATFORMS"] = "cpu"  # the host backend only: no attempt to open a local TPU
+  if dump_dir:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + buffer_report.dump_flags(dump_dir, "train_step")
+  if libtpu is not None:
+    os.environ["TPU_LIBRARY_PATH"] = libtpu
+    os.environ["LIBTPU_INIT_ARGS"], source = topologies.libtpu_init_args(target.chip.family, os.environ)
+    os.environ["MAXLITE_LIBTPU_FLAGS_SOURCE"] = source  # for the report
+    # Without these, libtpu probes the cloud metadata server for a local TPU and logs errors when it
+    # finds none; compiling for a named topology needs no local TPU.
+    for key, value in (
+      ("TPU_SKIP_MDS_QUERY", "1"),
+      ("TPU_ACCELERATOR_TYPE", target.name),
+      ("TPU_WORKER_HOSTNAMES", "localhost"),
+      ("TPU_WORKER_ID", "0"),
+    ):
+      os.environ.setdefault(key, value)
+  else:
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={target.num_devices}"
+    )
+
+
+def target_devices(target: topologies.Target, num_slices: int) -> list[Any]:
+  import jax
+
+  if target.platform == "cpu":
+    if num_slices != 1:
+      raise ConfigError("compile_topology_num_slices must be 1 for cpu-N")
+    return jax.devices()[: target.num_devices]
+  from jax.experimental import topologies as jax_topologies
+
+  kwargs = {"chip_config_name": target.chip.chip_config_name} if target.chip.chip_config_name else {}
+  if num_slices > 1:
+    kwargs["num_slices"] = num_slices
+  return list(jax_topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name, **kwargs).devices)
+
+
+def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
+  """(lowered train step, {per-device bytes of params and optimizer state, parameter count}) for `config`."""
+  import jax
+  import jax.numpy as jnp
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite.data import BATCH_KEYS
+  from MaxLite.layers.decoder import Transformer
+  from MaxLite.parallel import sharding
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training.optimizer import create_optimizer
+  from MaxLite.training.train_state import abstract_state
+  from MaxLite.training.train_step import jit_train_step
+
+  mesh = create_mesh(config, devices)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
+    model, tx = Transformer(config), create_optimizer(config)
+    abstract, _, shardings = abstract_state(model, tx, config, mesh)
+    shardings = sharding.with_host_offload(shardings, config)
+    step = jit_train_step(config, shardings, sharding.batch_sharding(mesh, config), sharding.replicated(mesh))
+    ids = jax.ShapeDtypeStruct((config.global_batch_size_to_train_on, config.max_target_length), jnp.int32)
+    batch = {k: ids for k in BATCH_KEYS}
+    lowered = step.lower(abstract, batch)
+  state_bytes = {
+    "params": sharding.sharded_bytes(abstract.params, shardings.params),
+    "optimizer": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state),
+    "parameters": sum(leaf.size for leaf in jax.tree.leaves(abstract.params)),  # counted from the model itself
+  }
+  return lowered, state_bytes
+
+
+def out_of_memory(message: str) -> str | None:
+  """The compiler's out-of-HBM error as one line with the shortfall, or None for other errors."""
+  if "RESOURCE_EXHAUSTED" not in message:
+    return None
+  first = next((line for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), message)
+  first = first[first.index("RESOURCE_EXHAUSTED") :]
+  sizes = [float(v) * 1024 ** "KMGT".index(u) * 1024 for v, u in re.findall(r"\(([\d.]+)([KMGT])\)", first)]
+  if len(sizes) >= 2 and sizes[0] > sizes[1]:
+    needed, available = sizes[0], sizes[1]
+    return (
+      f"DOES NOT FIT: needs {_gib(needed)} per device, {_gib(available)} available; "
+      f"short by {_gib(needed - available)} ({first})"
+    )
+  return f"DOES NOT FIT: {first}"
+
+
+def memory_total(mem: Any, space: str) -> int:
+  """Bytes a compiled program needs in one memory space ("" = device, "host_"): donated outputs reuse inputs."""
+  size = lambda kind: getattr(mem, f"{space}{kind}_size_in_bytes")
+  return size("argument") + size("output") - size("alias") + size("temp")
+
+
+def _where(offloaded: bool) -> str:
+  return " in host memory (offloaded)" if offloaded else ""
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _tflop(n: float) -> str:
+  return f"{n / 1e12:.2f} TFLOP" if n >= 1e12 else f"{n / 1e9:.2f} GFLOP"
+
+
+def report(
+  config: Any,
+  target: topologies.Target,
+  compiled: Any,
+  state_bytes: dict,
+  seconds: float,
+  buffers: Sequence[buffer_report.Buffer] = (),
+) -> tuple[str, bool]:
+  """The printed summary and whether the step fits in the chip's HBM."""
+  from MaxLite.training import flops
+
+  mem = compiled.memory_analysis()
+  needed, host = memory_total(mem, ""), memory_total(mem, "host_")
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  model_flops = flops.training_flops_per_step(config)["total"] / config.num_devices
+  mesh = " x ".join(f"{a}={n}" for a, n in zip(choices.MESH_AXES, config.mesh_shape) if n > 1) or "1"
+  tokens = config.global_batch_size_to_train_on * config.max_target_length
+  lines = [
+    f"compiled train step for {target.name} x {config.num_slices} slice(s) ({config.num_devices} devices, "
+    f"mesh {mesh}) in {seconds:.1f} s",
+    f"model {config.model_name}: {state_bytes['parameters']:,} parameters, global batch "
+    f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
+    f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
+    "per device:",
+    f"  params          {_gib(state_bytes['params'])}{_where(config.parameter_memory_host_offload)}",
+    f"  optimizer state {_gib(state_bytes['optimizer'])}{_where(config.optimizer_memory_host_offload)}",
+    f"  arguments       {_gib(mem.argument_size_in_bytes)} (state + batch, donated: "
+    f"{_gib(mem.alias_size_in_bytes)} reused for outputs)",
+    f"  outputs         {_gib(mem.output_size_in_bytes)}",
+    f"  temporaries     {_gib(mem.temp_size_in_bytes)} (activations, gradients, collectives)",
+    f"  total needed    {_gib(needed)} of device memory",
+    f"  host memory     {_gib(host)} (arguments {_gib(mem.host_argument_size_in_bytes)}, temporaries "
+    f"{_gib(mem.host_temp_size_in_bytes)}: host-offloaded state and activations)",
+  ]
+  if target.platform == "tpu":
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    source = os.environ.get("MAXLITE_LIBTPU_FLAGS_SOURCE", "LIBTPU_INIT_ARGS from the environment")
+    lines += [f"XLA flags ({source}): {flags or '(none)'}"]
+  if buffers:
+    lines += ["largest buffers at the memory peak (size, shapes over time <- the ops that made them):"]
+    lines += buffer_report.format_buffers(list(buffers), _gib)
+  if buffers and target.chip is not None and needed > target.chip.hbm_bytes:
+    hints = buffer_report.shrink_hints(
+      list(buffers),
+      config.base_num_decoder_layers,
+      config.vocab_size,
+      config.max_target_length,
+      config.attention_kernel,
+    )
+    lines += ["keys that would shrink the largest buffers:", *[f"  {h}" for h in hints]]
+  lines += [
+    f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
+    "(compiled includes rematerialisation and non-matmul work"
+    + (
+      "; XLA's TPU cost analysis counts the scanned layer loop once, compile with scan_layers=false for the full count)"
+      if config.scan_layers and target.platform == "tpu"
+      else ")"
+    ),
+  ]
+  fits = True
+  if target.chip is not None:
+    hbm = target.chip.hbm_bytes
+    fits = needed <= hbm
+    verdict = (
+      f"fits: {_gib(needed)} of {_gib(hbm)} HBM ({100 * needed / hbm:.0f}%)"
+      if fits
+      else f"DOES NOT FIT: needs {_gib(needed)} but a {target.chip.family} chip has {_gib(hbm)} HBM; "
+      f"short by {_gib(needed - hbm)} per device"
+    )
+    peak = target.chip.peak_bf16_tflops * 1e12
+    lines += [
+      f"HBM per device: {_gib(hbm)} -> {verdict}",
+      f"roofline step time at the {target.chip.family} bf16 peak ({target.chip.peak_bf16_tflops:.0f} TFLOP/s): "
+      f"{model_flops / peak:.4g} s for model FLOPs, {compiled_flops / peak:.4g} s for compiled FLOPs "
+      f"-> at most {tokens / (model_flops / peak) / config.num_devices:,.0f} tokens/s/device",
+    ]
+  return "\n".join(lines), fits
+
+
+def run(argv: Sequence[str]) -> int:
+  raw = config_lib.load_raw(argv)
+  if not raw["compile_topology"]:
+    raise ConfigError("compile_topology is empty; name a target such as compile_topology=v5p-128 or cpu-8")
+  target = topologies.parse(raw["compile_topology"])
+  num_slices = raw["compile_topology_num_slices"]
+  if num_slices == -1:
+    num_slices = 1
+  if num_slices < 1:
+    raise ConfigError(f"compile_topology_num_slices must be >= 1 or -1, got {num_slices}")
+  users_dump = buffer_report.dump_dir_in(os.environ.get("XLA_FLAGS", ""))
+  if users_dump:  # the user's own XLA dump: read the reports from it, change nothing there
+    return _compile_and_report(raw, target, num_slices, users_dump, add_dump_flags=False)
+  dump_dir = tempfile.mkdtemp(prefix="maxlite_compile_")
+  try:
+    return _compile_and_report(raw, target, num_slices, dump_dir)
+  finally:
+    shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _compile_and_report(
+  raw: dict, target: topologies.Target, num_slices: int, dump_dir: str, add_dump_flags: bool = True
+) -> int:
+  prepare_backend(target, dump_dir=dump_dir if add_dump_flags else None)
+  devices = target_devices(target, num_slices)
+  processes = len({d.process_index for d in devices})
+  config = config_lib.build(
+    raw, num_devices=len(devices), num_slices=num_slices, process_count=processes, platform=target.platform
+  )
+  start = time.perf_counter()
+  lowered, state_bytes = lower_train_step(config, devices)
+  try:
+    compiled = lowered.compile()
+  except Exception as e:
+    oom = out_of_memory(str(e))
+    if oom is None:
+      raise
+    state = state_bytes["params"] + state_bytes["optimizer"]
+    if target.chip is not None and state > target.chip.hbm_bytes / 2:
+      hint = "more ici_fsdp_parallelism, parameter_memory_host_offload / optimizer_memory_host_offload=true"
+    else:
+      hint = "remat_policy (full, or custom with decoder_layer_input=offload), per_device_batch_size, num_vocab_tiling"
+    print(
+      f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])} + optimizer state "
+      f"{_gib(state_bytes['optimizer'])} per device\n{oom}\nkeys that would shrink it: {hint}",
+      flush=True,
+    )
+    return DOES_NOT_FIT
+  seconds = time.perf_counter() - start
+  text, fits = report(config, target, compiled, state_bytes, seconds, buffer_report.largest_buffers(dump_dir))
+  print(text, flush=True)
+  if config.compiled_trainstep_file:
+    from jax.experimental import serialize_executable
+
+    # Only the executable's bytes: its argument trees hold the model's apply function, which does
+    # not pickle; serialize_executable.deserialize_and_load takes them from the same config again.
+    payload, _, _ = serialize_executable.serialize(compiled)
+    storage.write_bytes(config.compiled_trainstep_file, payload)
+    print(f"saved the serialized executable ({len(payload):,} bytes) to {config.compiled_trainstep_file}")
+  return 0 if fits else DOES_NOT_FIT

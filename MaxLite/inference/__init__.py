@@ -1,0 +1,1 @@
+"""Inference: generating text from a trained checkpoint."""

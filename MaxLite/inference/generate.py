@@ -1,0 +1,148 @@
+"""Generating text with a KV cache: batched prefill, then one token per step, with MaxText's sampling strategies.
+
+The cache lives in flax's "cache" collection, [batch, max_target_length, kv_heads, head_dim] per layer, sharded by
+the logical rules. `run` is decode.py's body: load the checkpoint's parameters, tokenize the prompts, generate.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxLite import config as config_lib
+from MaxLite import storage
+from MaxLite.cli.errors import ConfigError
+
+PROMPT_SEPARATOR = " ||| "
+
+
+def sample(logits: jax.Array, rng: jax.Array, config: Any) -> jax.Array:
+  """Next token ids [batch] from last-position logits [batch, vocab]."""
+  logits = logits.astype(jnp.float32)
+  if config.decode_sampling_strategy == "greedy":
+    return jnp.argmax(logits, axis=-1)
+  logits = logits / config.decode_sampling_temperature
+  if config.decode_sampling_strategy == "topk":
+    kth = jax.lax.top_k(logits, config.decode_sampling_top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  elif config.decode_sampling_strategy == "nucleus":
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    # Keep the smallest top set whose mass reaches p: the cutoff is the first sorted logit past it.
+    cutoff_index = jnp.sum(cumulative < config.decode_sampling_nucleus_p, axis=-1, keepdims=True)
+    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(rng, logits, axis=-1)
+
+
+def _prefill(params: Any, ids: jax.Array, lengths: jax.Array, *, model: Any) -> tuple[jax.Array, Any]:
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+  segments = (positions < lengths[:, None]).astype(jnp.int32)
+  logits, variables = model.apply({"params": params}, ids, positions, segments, mutable=["cache"])
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return last, variables["cache"]
+
+
+def _step(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *, model: Any) -> tuple[jax.Array, Any]:
+  logits, variables = model.apply(
+    {"params": params, "cache": cache},
+    tokens[:, None],
+    positions[:, None],
+    jnp.ones_like(tokens)[:, None],
+    mutable=["cache"],
+  )
+  return logits[:, 0], variables["cache"]
+
+
+def generate(
+  config: Any, params: Any, prompts: Sequence[Sequence[int]], eos_id: int | None = None, return_logits: bool = False
+) -> tuple[list[list[int]], list[np.ndarray]]:
+  """Token ids of each prompt's continuation (stopping after eos_id), and optionally each step's logits."""
+  from MaxLite.layers.decoder import Transformer
+
+  prefill_len = config.max_prefill_predict_length
+  if prefill_len + config.max_decode_steps > config.max_target_length:
+    raise ConfigError(
+      f"max_prefill_predict_length={prefill_len} + max_decode_steps={config.max_decode_steps} exceeds "
+      f"max_target_length={config.max_target_length} (the KV cache length)"
+    )
+  prompts = [list(p)[-prefill_len:] for p in prompts]
+  if not all(prompts):
+    raise ConfigError("every prompt needs at least one token")
+  ids = np.zeros((len(prompts), prefill_len), np.int32)
+  for row, prompt in enumerate(prompts):
+    ids[row, : len(prompt)] = prompt
+  lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  model = Transformer(config, deterministic=True, decode=True)
+  prefill = jax.jit(functools.partial(_prefill, model=model))
+  step = jax.jit(functools.partial(_step, model=model), donate_argnums=1)
+  logits, cache = prefill(params, jnp.asarray(ids), lengths)
+  rng = jax.random.key(config.decode_seed)
+  outputs: list[list[int]] = [[] for _ in prompts]
+  done = np.zeros(len(prompts), bool)
+  all_logits = []
+  for i in range(config.max_decode_steps):
+    if return_logits:
+      all_logits.append(np.asarray(logits))
+    tokens = sample(logits, jax.random.fold_in(rng, i), config)
+    for row, token in enumerate(np.asarray(tokens).tolist()):
+      if not done[row]:
+        outputs[row].append(token)
+        done[row] = token == eos_id
+    if done.all() or i == config.max_decode_steps - 1:
+      break
+    logits, cache = step(params, cache, tokens.astype(jnp.int32), lengths + i)
+  return outputs, all_logits
+
+
+def load_params(config: Any, mesh: Any) -> Any:
+  """The checkpoint's params placed by the logical rules, or a random init when no path is given."""
+  from MaxLite.checkpoint import manager as checkpointing
+  from MaxLite.layers.decoder import Transformer
+  from MaxLite.training.optimizer import create_optimizer
+  from MaxLite.training.train_state import abstract_state, create_train_state
+
+  model, tx = Transformer(config), create_optimizer(config)
+  abstract, _, shardings = abstract_state(model, tx, config, mesh)
+  if not config.load_parameters_path:
+    print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
+    return create_train_state(model, tx, config, shardings).params
+  target = checkpointing.sharded_target(abstract.params, shardings.params)
+  return checkpointing.load_params(config.load_parameters_path, target)
+
+
+def run(argv: Sequence[str]) -> list[str]:
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite.data.tokenizer import load_tokenizer
+  from MaxLite.parallel import sharding
+  from MaxLite.parallel.mesh import create_mesh
+
+  raw = config_lib.load_raw(argv)
+  texts = raw["prompt"].split(PROMPT_SEPARATOR)
+  # The batch is the prompts; the mesh splits it like a training batch.
+  raw["per_device_batch_size"] = len(texts) / jax.device_count()
+  config = config_lib.build(raw)
+  if config.num_pipeline_stages > 1:
+    raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
+  tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)
+  bos, eos = tokenizer.bos_id, tokenizer.eos_id
+  mesh = create_mesh(config)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
+    params = load_params(config, mesh)
+    prompts = [([bos] if config.add_bos and bos >= 0 else []) + tokenizer.encode(t) for t in texts]
+    outputs, _ = generate(config, params, prompts, eos_id=eos if eos >= 0 else None)
+  # Ids past the tokenizer's vocabulary (a model's padded embedding rows, e.g. Qwen's) have no text.
+  results = [
+    text + tokenizer.decode([t for t in out if t != eos and t < tokenizer.vocab_size])
+    for text, out in zip(texts, outputs)
+  ]
+  for i, result in enumerate(results):
+    print(f"[{i}] {result}", flush=True)
+  return results

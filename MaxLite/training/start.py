@@ -1,0 +1,68 @@
+"""Starting a training run: the TPU checks and libtpu flags before jax opens the device, joining the job, the
+config, the preflight checks and the run lock, then the train loop. train.py is its command line."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from absl import logging
+
+from MaxLite import config as config_lib
+from MaxLite import storage
+from MaxLite.config import choices
+from MaxLite.parallel import topologies
+from MaxLite.runtime import distributed, preflight
+from MaxLite.training import run_lock
+
+_SHOWN_DERIVED = (
+  "run_dir",
+  "num_devices",
+  "num_slices",
+  "process_count",
+  "mesh_shape",
+  "ici_mesh_shape",
+  "dcn_mesh_shape",
+  "batch_mesh_axes",
+  "micro_batch_size",
+  "global_batch_size_to_train_on",
+  "learning_rate_schedule_steps",
+  "num_params",
+)
+
+
+def summarize(config: config_lib.Config) -> str:
+  mesh = " x ".join(f"{a}={n}" for a, n in zip(choices.MESH_AXES, config.mesh_shape))
+  lines = [
+    f"model {config.model_name}: {config.num_params / 1e6:.2f}M params, {config.base_num_decoder_layers} layers, "
+    f"emb {config.base_emb_dim}, dtype {config.dtype}/{config.weight_dtype}, data {config.dataset_type}",
+    f"mesh {mesh}",
+  ]
+  lines += [f"  {k} = {getattr(config, k)}" for k in _SHOWN_DERIVED]
+  return "\n".join(lines)
+
+
+def run(argv: Sequence[str]) -> None:
+  """Train with the config of `argv` (CONFIG.yml key=value ...), in this process."""
+  raw = config_lib.load_raw(argv)
+  tpu_present = distributed.tpu_chips_present()
+  preflight.check_tpu_support(os.environ, tpu_present)
+  flags = topologies.set_libtpu_flags(os.environ, tpu_present)  # before jax opens the TPU
+  if flags:
+    logging.info(flags)
+  if distributed.initialize(raw):
+    distributed.shared_run_name(raw)
+  config = config_lib.build(raw)
+  # Before anything is written: an unreachable bucket is one line now, not a traceback at the first save.
+  storage.check_bucket(config.base_output_directory, "base_output_directory")
+  preflight.run_all(config, tpu_present)
+  if config.jax_cache_dir:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
+  logging.info("config:\n%s", summarize(config))
+  logging.info("attention kernel %s (%s)", config.attention_kernel, config.attention_choice)
+  from MaxLite.training.trainer import train
+
+  with run_lock.hold(config) as guard:
+    train(config, guard=guard)
