@@ -217,8 +217,8 @@ def test_metrics_in_a_bucket_are_uploaded_at_most_every_few_seconds(monkeypatch)
   from MaxLite.training import metrics
 
   uploads, clock = [], [100.0]
-  monkeypatch.setattr(metrics.paths, "exists", lambda path: False)
-  monkeypatch.setattr(metrics.paths, "write_text", lambda path, text: uploads.append((path, text)))
+  monkeypatch.setattr(metrics.storage, "exists", lambda path: False)
+  monkeypatch.setattr(metrics.storage, "write_text", lambda path, text: uploads.append((path, text)))
   monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
   config = make_config("base_output_directory=gs://bucket/runs", "run_name=r", "enable_tensorboard=false")
   writer = metrics.MetricsWriter(config, is_primary=True)
