@@ -28,6 +28,7 @@ TAIL_LINES = 20
 # train.py of this installation (checkout or installed package), run as documented; `ps` shows train.py.
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
 STOP_GRACE_S = 10.0
+CAUSE_GRACE_S = 2.0
 
 
 def free_port() -> int:
@@ -118,6 +119,19 @@ def _report_failure(w: _Worker, out: IO[str]) -> None:
     out.write(f"  | {line}\n")
 
 
+def _first_cause(workers: list[_Worker], failed: list[_Worker]) -> _Worker:
+  """The failed process to report: one killed by a signal is the cause, its peers only lose the connection.
+
+  The kernel closes a killed process's sockets before its exit can be reaped, so a peer's exit on the lost connection
+  may be seen first: give a killed process a moment to show up before blaming the peer.
+  """
+  deadline = time.monotonic() + CAUSE_GRACE_S
+  while all(w.proc.returncode > 0 for w in failed) and time.monotonic() < deadline:
+    time.sleep(0.05)
+    failed = [w for w in workers if w.proc.poll() not in (None, 0)]
+  return min(failed, key=lambda w: (w.proc.returncode >= 0, w.index))
+
+
 def launch(num_processes: int, devices_per_process: int, train_args: Sequence[str], log_dir: str) -> int:
   """Start the processes and wait; returns the worst exit code (non-zero as soon as one fails)."""
   os.makedirs(log_dir, exist_ok=True)
@@ -141,9 +155,7 @@ def launch(num_processes: int, devices_per_process: int, train_args: Sequence[st
       codes = [w.proc.poll() for w in workers]
       failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
       if failed and not forwarded:
-        # A process killed by a signal is the cause; its peers then fail on the lost connection, sometimes within the
-        # same poll, so it is the one to report.
-        _report_failure(min(failed, key=lambda w: (w.proc.returncode >= 0, w.index)), sys.stderr)
+        _report_failure(_first_cause(workers, failed), sys.stderr)
         _stop(workers, signal.SIGTERM)
         break
       if all(c is not None for c in codes):
