@@ -20,9 +20,11 @@ from MaxLite.data import input_pipeline
 from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training.evaluation import evaluate
+from MaxLite.training.metrics import NonFiniteLossError
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_step import jit_eval_step
-from MaxLite.training.trainer import NonFiniteLossError, evaluate, initial_state, train
+from MaxLite.training.trainer import initial_state, train
 
 sys.path.insert(0, os.path.join(REPO, "end_to_end"))
 import procs

@@ -10,7 +10,7 @@ from conftest import make_config
 from MaxLite.layers.attention import attention_mask, dot_product_attention
 from MaxLite.layers.decoder import Transformer, stack_layers, unstack_layers
 from MaxLite.layers.rope import apply_rope, default_frequencies
-from MaxLite.training.train_step import loss_sums
+from MaxLite.training.train_step import batch_loss_sums
 
 SEQ = 32
 
@@ -37,7 +37,7 @@ def _init(config, batch):
 
 
 def _loss_and_grads(config, params, batch):
-  fn = jax.value_and_grad(lambda p: loss_sums(p, Transformer(config).apply, batch, jax.random.key(0), config)[0])
+  fn = jax.value_and_grad(lambda p: batch_loss_sums(p, Transformer(config).apply, batch, jax.random.key(0), config)[0])
   return jax.jit(fn)(params)
 
 

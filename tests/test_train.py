@@ -12,9 +12,10 @@ from flax.linen import partitioning as nn_partitioning
 from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training.metrics import NonFiniteLossError
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_state import abstract_state, bytes_per_device, create_train_state, total_bytes
-from MaxLite.training.trainer import NonFiniteLossError, train
+from MaxLite.training.trainer import train
 
 TINY = (
   "model_name=tiny",

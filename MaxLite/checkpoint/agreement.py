@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 def _gather(values: np.ndarray) -> np.ndarray:
   """[process_count, *values.shape]: every process's `values`, in process order (same shape on all)."""
-  from jax.experimental import multihost_utils
-
   return np.asarray(multihost_utils.process_allgather(values))
 
 

@@ -14,11 +14,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from MaxLite import config as config_lib
 from MaxLite import storage
 from MaxLite.checkpoint import STATE, saved_config_path
+from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.hf_layout import (
   global_tensors,
   hf_config_from_model,
@@ -29,6 +32,8 @@ from MaxLite.checkpoint.hf_layout import (
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.cli.errors import InputError
 from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.layers.decoder import Transformer
+from MaxLite.parallel.sharding import unbox
 
 _REQUIRED = object()
 
@@ -110,23 +115,17 @@ def _converted(reader: SafetensorsReader, name: str, to_maxlite: Any) -> np.ndar
 
 
 def _abstract_params(config: Any) -> Any:
-  import jax
-
-  from MaxLite.layers.decoder import Transformer
-  from MaxLite.parallel.sharding import unbox
-
   ids = jax.ShapeDtypeStruct((1, config.max_target_length), np.int32)
   return unbox(jax.eval_shape(lambda: Transformer(config).lazy_init(jax.random.key(0), ids, ids, ids))["params"])
 
 
 def _check_against_model(params: dict, config: Any) -> None:
   """Every converted tensor has the shape the configured model expects (a config.json / weights mismatch)."""
-  import jax
-
-  from MaxLite.checkpoint.manager import path_name
-
-  expected = {path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(_abstract_params(config))[0]}
-  got = {path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  expected = {
+    checkpointing.path_name(p): leaf.shape
+    for p, leaf in jax.tree_util.tree_flatten_with_path(_abstract_params(config))[0]
+  }
+  got = {checkpointing.path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   for name, shape in expected.items():
     if got.get(name) != tuple(shape):
       raise InputError(
@@ -137,16 +136,12 @@ def _check_against_model(params: dict, config: Any) -> None:
 
 def _to_jax(tree: dict) -> dict:
   """numpy leaves -> jax arrays one at a time, dropping each numpy copy as soon as it is converted."""
-  import jax
-
   for key in list(tree):
     tree[key] = _to_jax(tree[key]) if isinstance(tree[key], dict) else jax.device_put(tree.pop(key))
   return tree
 
 
 def _save(params: dict, config: Any, output_path: str) -> str:
-  import orbax.checkpoint as ocp
-
   step_dir = storage.join(storage.absolute(output_path), "0")
   if storage.exists(step_dir):
     raise InputError(f"--output_path={output_path}: {step_dir} already exists; choose a new directory")
@@ -162,10 +157,6 @@ def _save(params: dict, config: Any, output_path: str) -> str:
 
 def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[str]:
   """Writes config.json + safetensors that transformers' from_pretrained loads."""
-  import jax
-
-  from MaxLite.checkpoint import manager as checkpointing
-
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
   ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}

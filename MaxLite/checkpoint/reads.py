@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import jax
 from absl import logging
 
 from MaxLite.cli.errors import CheckpointError, first_line
@@ -79,8 +80,6 @@ def _inject_fault(where: str) -> None:
   spec = os.environ.get(FAULT_ENV)
   if not spec:
     return
-  import jax
-
   process, step, kind, times = spec.split(":")
   if int(process) != jax.process_index() or not re.search(rf"/{int(step)}(/|$)", where):
     return

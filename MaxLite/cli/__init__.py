@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from absl import app, flags, logging
+
 from MaxLite.cli.errors import MaxLiteError, UsageError
 
 BAD_INPUT = 2
@@ -61,8 +63,6 @@ def _str2bool(value: str) -> bool:
 
 def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -> NoReturn:
   """Runs a `CONFIG.yml [key=value ...]` tool under absl and exits with its code."""
-  from absl import app, flags, logging
-
   argv = list(sys.argv if argv is None else argv)
   if any(arg in HELP_FLAGS for arg in argv[1:]):
     print(doc.strip())

@@ -329,6 +329,41 @@ def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> Non
     )
 
 
+def _mesh_axes(c: dict[str, Any], num_devices: int, detected_slices: int) -> tuple[int, dict, dict]:
+  """(slices, ici sizes, dcn sizes) per mesh axis, the -1 entries filled in."""
+  dcn = {a: c[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
+  slices = c["num_slices"]
+  if slices == -1:
+    slices = detected_slices if detected_slices > 1 or -1 in dcn.values() else math.prod(dcn.values())
+  if slices <= 0 or num_devices % slices:
+    raise ConfigError(f"num_slices={slices} must be positive and divide the {num_devices} devices")
+  dcn = resolve_parallelism("dcn", dcn, slices, "slices")
+  ici = resolve_parallelism(
+    "ici", {a: c[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}, num_devices // slices, "devices per slice"
+  )
+  return slices, ici, dcn
+
+
+def _micro_batch(c: dict[str, Any], num_devices: int, mesh: dict[str, int]) -> tuple[int, tuple, int]:
+  """(sequences per microbatch, the mesh axes the batch is split on, their product)."""
+  micro_batch = c["per_device_batch_size"] * num_devices
+  if not float(micro_batch).is_integer() or micro_batch < 1:
+    raise ConfigError(
+      f"per_device_batch_size={c['per_device_batch_size']} x {num_devices} devices = {micro_batch} "
+      "is not a whole number of sequences"
+    )
+  micro_batch = int(micro_batch)
+  batch_axes = rule_mesh_axes(c["logical_axis_rules"], "activation_batch")
+  batch_shards = math.prod(mesh[a] for a in batch_axes)
+  if micro_batch % batch_shards:
+    raise ConfigError(
+      f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
+      f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
+      f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})"
+    )
+  return micro_batch, batch_axes, batch_shards
+
+
 def validate_and_derive(
   c: dict[str, Any],
   *,
@@ -345,36 +380,11 @@ def validate_and_derive(
   _check_model_features(c)
   _check_optimizer(c)
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
-  dcn = {a: c[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
-  slices = c["num_slices"]
-  if slices == -1:
-    slices = detected_slices if detected_slices > 1 or -1 in dcn.values() else math.prod(dcn.values())
-  if slices <= 0 or num_devices % slices:
-    raise ConfigError(f"num_slices={slices} must be positive and divide the {num_devices} devices")
-  dcn = resolve_parallelism("dcn", dcn, slices, "slices")
-  ici = resolve_parallelism(
-    "ici", {a: c[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}, num_devices // slices, "devices per slice"
-  )
+  slices, ici, dcn = _mesh_axes(c, num_devices, detected_slices)
   mesh = {a: ici[a] * dcn[a] for a in MESH_AXES}
   _check_model_vs_mesh(c, mesh)
   _check_emergency_checkpoints(c, mesh)
-
-  micro_batch = c["per_device_batch_size"] * num_devices
-  if not float(micro_batch).is_integer() or micro_batch < 1:
-    raise ConfigError(
-      f"per_device_batch_size={c['per_device_batch_size']} x {num_devices} devices = {micro_batch} "
-      "is not a whole number of sequences"
-    )
-  micro_batch = int(micro_batch)
-  batch_axes = rule_mesh_axes(c["logical_axis_rules"], "activation_batch")
-  batch_shards = math.prod(mesh[a] for a in batch_axes)
-  if micro_batch % batch_shards:
-    raise ConfigError(
-      f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
-      f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
-      f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})"
-    )
-
+  micro_batch, batch_axes, batch_shards = _micro_batch(c, num_devices, mesh)
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
   if platform is None:
     import jax

@@ -18,7 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config
 from MaxLite.data import BATCH_KEYS
+from MaxLite.data.grain_pipeline import make_grain_iterator
 from MaxLite.data.synthetic import SyntheticIterator
+from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.parallel.sharding import batch_sharding
 from MaxLite.storage import resolve, resolve_list
 
@@ -27,8 +29,6 @@ def check_tokenizer(config: Config) -> None:
   """vocab_size must cover every id the tokenizer can produce; add_bos/add_eos without such a token is said once."""
   if config.dataset_type != "grain":
     return
-  from MaxLite.data.tokenizer import load_tokenizer
-
   tokenizer = load_tokenizer(resolve(config.tokenizer_path), config.tokenizer_type)
   if config.vocab_size < tokenizer.vocab_size:
     raise ConfigError(
@@ -99,8 +99,6 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
       vocab_size=config.vocab_size,
       seed=seed,
     )
-  from MaxLite.data.grain_pipeline import make_grain_iterator
-
   files = config.grain_train_files if split == "train" else config.grain_eval_files
   return make_grain_iterator(
     resolve_list(files),

@@ -14,10 +14,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import config as config_lib
 from MaxLite import storage
+from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
+from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.layers.decoder import Transformer
+from MaxLite.parallel import sharding
+from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training.optimizer import create_optimizer
+from MaxLite.training.train_state import abstract_state, create_train_state
 
 PROMPT_SEPARATOR = " ||| "
 
@@ -64,8 +72,6 @@ def generate(
   config: Any, params: Any, prompts: Sequence[Sequence[int]], eos_id: int | None = None, return_logits: bool = False
 ) -> tuple[list[list[int]], list[np.ndarray]]:
   """Token ids of each prompt's continuation (stopping after eos_id), and optionally each step's logits."""
-  from MaxLite.layers.decoder import Transformer
-
   prefill_len = config.max_prefill_predict_length
   if prefill_len + config.max_decode_steps > config.max_target_length:
     raise ConfigError(
@@ -103,11 +109,6 @@ def generate(
 
 def load_params(config: Any, mesh: Any) -> Any:
   """The checkpoint's params placed by the logical rules, or a random init when no path is given."""
-  from MaxLite.checkpoint import manager as checkpointing
-  from MaxLite.layers.decoder import Transformer
-  from MaxLite.training.optimizer import create_optimizer
-  from MaxLite.training.train_state import abstract_state, create_train_state
-
   model, tx = Transformer(config), create_optimizer(config)
   abstract, _, shardings = abstract_state(model, tx, config, mesh)
   if not config.load_parameters_path:
@@ -118,12 +119,6 @@ def load_params(config: Any, mesh: Any) -> Any:
 
 
 def run(argv: Sequence[str]) -> list[str]:
-  from flax.linen import partitioning as nn_partitioning
-
-  from MaxLite.data.tokenizer import load_tokenizer
-  from MaxLite.parallel import sharding
-  from MaxLite.parallel.mesh import create_mesh
-
   raw = config_lib.load_raw(argv)
   texts = raw["prompt"].split(PROMPT_SEPARATOR)
   # The batch is the prompts; the mesh splits it like a training batch.

@@ -7,6 +7,7 @@ Each process simulates M CPU devices. Logs go to <run_dir>/logs/process_<i>.log 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -62,8 +63,6 @@ def process_env(devices_per_process: int) -> dict[str, str]:
 def _die_with_parent() -> None:
   """Linux: the kernel kills the child if the launcher dies, so a killed launcher leaves no orphans."""
   try:
-    import ctypes
-
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
   except OSError:
     pass

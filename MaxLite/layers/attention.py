@@ -55,7 +55,7 @@ def cudnn_attention(
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation=implementation)
 
 
-def cached_attention_mask(segment_ids: jax.Array, positions: jax.Array, cached_segments: jax.Array) -> jax.Array:
+def cached_attention_mask(positions: jax.Array, segment_ids: jax.Array, cached_segments: jax.Array) -> jax.Array:
   """[batch, 1, 1, q, cache_len]: queries at `positions` see cache slots at or before them that hold
   a token of their own segment (a slot holds the token whose position equals its index)."""
   slots = jnp.arange(cached_segments.shape[-1])
@@ -72,7 +72,7 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     scale = cfg.dense_init_scale
@@ -102,7 +102,7 @@ class Attention(nn.Module):
     q = checkpoint_name(q * jnp.asarray(cfg.head_dim**-0.5, q.dtype), "query_proj")
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     if self.decode:
-      k, v, mask = self._update_cache(k, v, segment_ids, positions)
+      k, v, mask = self._update_cache(k, v, positions, segment_ids)
       out = dot_product_attention(q, k, v, mask)
     elif cfg.attention_kernel == "splash":
       out = splash_attention(q, k, v, segment_ids, cfg, interpret=cfg.attention_interpret)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
     # reduce-scattered shard, not the all-reduced whole.
     return checkpoint_name(nn.with_logical_constraint(out, EMBED), "out_proj")
 
-  def _update_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple:
+  def _update_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple:
     b, length = k.shape[0], self.config.max_target_length
     axes = (BATCH, None, "activation_kv_heads", "activation_kv")
     cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, length, *k.shape[2:]), k.dtype)
@@ -135,4 +135,4 @@ class Attention(nn.Module):
     cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, positions].set(k), axes)
     cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, positions].set(v), axes)
     cached_seg.value = cached_seg.value.at[rows, positions].set(segment_ids)
-    return cached_k.value, cached_v.value, cached_attention_mask(segment_ids, positions, cached_seg.value)
+    return cached_k.value, cached_v.value, cached_attention_mask(positions, segment_ids, cached_seg.value)

@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     """Returns (x, aux): aux is the MoE routing statistics of this layer, None for a dense layer."""
     cfg = self.config
     norm = dict(
@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
     )
     x = checkpoint_name(nn.with_logical_constraint(x, EMBED_ACTIVATION), "decoder_layer_input")
     h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
-    h = Attention(cfg, self.decode, name="self_attention")(h, segment_ids, positions)
+    h = Attention(cfg, self.decode, name="self_attention")(h, positions, segment_ids)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
     h = RMSNorm(name="post_self_attention_norm", **norm)(x)
     aux = None
@@ -61,7 +61,7 @@ class Decoder(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
     layer = DecoderLayer
     if cfg.remat_policy != "none" and not self.decode:  # decoding keeps no activations for a backward pass
@@ -69,7 +69,7 @@ class Decoder(nn.Module):
     if not cfg.scan_layers:
       auxes = []
       for i in range(cfg.base_num_decoder_layers):
-        x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, segment_ids, positions)
+        x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, positions, segment_ids)
         auxes.append(aux)
       return x, summarize_routing(jax.tree.map(lambda *a: jnp.stack(a), *auxes))
     stack = nn.scan(
@@ -81,17 +81,17 @@ class Decoder(nn.Module):
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     if cfg.num_pipeline_stages == 1 or self.is_initializing() or self.decode:
-      x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, segment_ids, positions)
+      x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, positions, segment_ids)
       return x, summarize_routing(aux)
-    return self._pipeline(x, segment_ids, positions)
+    return self._pipeline(x, positions, segment_ids)
 
-  def _pipeline(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+  def _pipeline(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
 
     # The parameters were created by the scanned stack above (so checkpoints are layout-independent);
     # here each layer is applied functionally to its slice of them.
-    def layer_fn(params, h, seg, pos, rng):
-      return DecoderLayer(cfg, self.deterministic).apply({"params": params}, h, seg, pos, rngs={"dropout": rng})
+    def layer_fn(params, h, pos, seg, rng):
+      return DecoderLayer(cfg, self.deterministic).apply({"params": params}, h, pos, seg, rngs={"dropout": rng})
 
     if cfg.remat_policy != "none":
       layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg))
@@ -100,8 +100,8 @@ class Decoder(nn.Module):
       layer_fn,
       self.variables["params"]["layers"],
       x,
-      segment_ids,
       positions,
+      segment_ids,
       rng,
       stages=cfg.num_pipeline_stages,
       microbatches=cfg.num_pipeline_microbatches,
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
     x = nn.with_logical_constraint(embed(ids), EMBED_ACTIVATION)
-    x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, segment_ids, positions)
+    x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, positions, segment_ids)
     if moe_aux is not None:
       self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
     x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="decoder_norm")(x)

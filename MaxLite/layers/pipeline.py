@@ -21,7 +21,7 @@ import jax.numpy as jnp
 STATE_ACTIVATION = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 STATE_IDS = ("activation_stage", "activation_batch", "activation_length")
 
-# layer_fn(params of one layer, x, segment_ids, positions, rng) -> (x, aux or None)
+# layer_fn(params of one layer, x, positions, segment_ids, rng) -> (x, aux or None)
 LayerFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
@@ -45,8 +45,8 @@ def run_pipeline(
   layer_fn: LayerFn,
   params: Any,
   x: jax.Array,
-  segment_ids: jax.Array,
   positions: jax.Array,
+  segment_ids: jax.Array,
   rng: jax.Array,
   *,
   stages: int,
@@ -61,11 +61,11 @@ def run_pipeline(
   micro_seg = to_microbatches(segment_ids, microbatches)
   micro_pos = to_microbatches(positions, microbatches)
 
-  def stage_fn(stage_params, h, seg, pos, stage, micro):
+  def stage_fn(stage_params, h, pos, seg, stage, micro):
     def one_layer(carry, layer):
       p, j = layer
       layer_rng = jax.random.fold_in(jax.random.fold_in(rng, stage * per_stage + j), micro)
-      return layer_fn(p, carry, seg, pos, layer_rng)
+      return layer_fn(p, carry, pos, seg, layer_rng)
 
     return jax.lax.scan(one_layer, h, (stage_params, jnp.arange(per_stage)))
 
@@ -82,7 +82,7 @@ def run_pipeline(
     h = nn.with_logical_constraint(h, STATE_ACTIVATION)
     seg = nn.with_logical_constraint(seg, STATE_IDS)
     micro = t - stage_index  # the microbatch each stage is working on at this tick
-    h, aux = run_stages(staged, h, seg, pos, stage_index, micro)
+    h, aux = run_stages(staged, h, pos, seg, stage_index, micro)
     h = nn.with_logical_constraint(h, STATE_ACTIVATION)
     done = t - (stages - 1)  # the last stage just finished this microbatch
     outputs = jnp.where(done >= 0, outputs.at[jnp.maximum(done, 0)].set(h[-1]), outputs)
@@ -97,8 +97,8 @@ def run_pipeline(
     lambda: run_stages(
       staged,
       jnp.zeros(state_shape, x.dtype),
-      jnp.zeros(state_shape[:3], segment_ids.dtype),
       jnp.zeros(state_shape[:3], positions.dtype),
+      jnp.zeros(state_shape[:3], segment_ids.dtype),
       stage_index,
       stage_index,
     )[1]

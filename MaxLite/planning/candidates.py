@@ -17,6 +17,7 @@ from typing import Any
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config, choices, validation
 from MaxLite.parallel.topologies import Target
+from MaxLite.training import flops
 
 GiB = 2**30
 # Recomputation each remat policy adds to the model FLOPs (forward = 1/3 of a training step; "full" recomputes it
@@ -159,8 +160,6 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   """A lower bound on the step time: matmul FLOPs (with recomputation) at peak, or the FSDP weight gathers and
   gradient reductions and the data-parallel gradient all-reduce (hidden under compute at best), plus the
   tensor-parallel activation reductions (each waits for its layer), at the chip's full ICI send bandwidth."""
-  from MaxLite.training import flops
-
   chip = target.chip
   mesh = dict(zip(choices.MESH_AXES, c["mesh_shape"]))
   per_device = flops.training_flops_per_step(Config(c))["total"] / c["num_devices"]

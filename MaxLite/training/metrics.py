@@ -1,4 +1,5 @@
-"""Per-step metrics: a log line, metrics.jsonl and tensorboard scalars (process 0 only)."""
+"""Per-step metrics: read from the device one step late, checked for NaN/Inf, written as a log line, to
+metrics.jsonl and as tensorboard scalars (process 0 only)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,19 @@ import json
 import time
 from typing import Any
 
+import jax
+import numpy as np
+from absl import logging
+
 from MaxLite import storage
+from MaxLite.cli.errors import MaxLiteError
 from MaxLite.config import Config
+from MaxLite.training import flops
+
+
+class NonFiniteLossError(MaxLiteError):
+  """Loss or gradient norm became NaN/Inf."""
+
 
 # Objects in a bucket cannot be appended to: metrics.jsonl there is rewritten whole, at most this often
 # (and at every checkpoint and at the end, so rows up to a saved step always survive a kill).
@@ -94,3 +106,77 @@ def log_line(row: dict[str, Any]) -> str:
   if "moe_lb_loss" in row:
     parts.append(f"moe_lb_loss {row['moe_lb_loss']:.4f} dropped {100 * row['moe_dropped_fraction']:.1f}%")
   return " | ".join(parts)
+
+
+def metrics_row(
+  config: Config, step: int, values: dict[str, float], step_time: float, tflops_per_step: float
+) -> dict[str, Any]:
+  """One step's row of metrics.jsonl from its device metrics, its wall time and its TFLOPs per device."""
+  if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+    raise NonFiniteLossError(
+      f"step {step}: loss is {values['loss']} and grad_norm is {values['grad_norm']}; "
+      "stopping (try a lower learning_rate or gradient_clipping_threshold)"
+    )
+  tflops = tflops_per_step / step_time
+  row = {
+    "step": step,
+    "loss": values["loss"],
+    "learning_rate": values["learning_rate"],
+    "grad_norm": values["grad_norm"],
+    "step_time_s": step_time,
+    "tokens_per_s": config.global_batch_size_to_train_on * config.max_target_length / step_time,
+    "tflops_per_device": tflops,
+  }
+  if config.z_loss_multiplier:
+    row["z_loss"] = values["z_loss"]
+  row.update({k: values[k] for k in ("moe_lb_loss", "moe_dropped_fraction") if k in values})
+  if config.peak_tflops_per_device > 0:
+    row["mfu"] = tflops / config.peak_tflops_per_device
+  return row
+
+
+class StepLog:
+  """The run's metrics rows. A step's metrics are read when the next step has been queued (`record`), so the host
+  never waits for the step it just dispatched; `flush` reads the last one now (before a save or an eval)."""
+
+  def __init__(self, config: Config):
+    self._config = config
+    self._writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
+    self._tflops_per_step = flops.tflops_per_device_per_step(config)
+    self.rows: list[dict[str, Any]] = []
+    self._pending: tuple[int, Any] | None = None
+    self._clock = time.perf_counter()
+
+  def record(self, step: int, metrics: Any) -> None:
+    self.flush()
+    self._pending = (step, metrics)
+
+  def flush(self) -> None:
+    if self._pending is None:
+      return
+    (step, metrics), self._pending = self._pending, None
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    now = time.perf_counter()
+    row = metrics_row(self._config, step, values, now - self._clock, self._tflops_per_step)
+    self._clock = now
+    if step % self._config.log_period == 0 or step == self._config.steps:
+      logging.info(log_line(row))
+      self._writer.write(row)
+    self.rows.append(row)
+
+  def record_eval(self, step: int, eval_loss: float) -> None:
+    logging.info(f"step {step:>6d} | eval_loss {eval_loss:.4f}")
+    row = {"step": step, "eval_loss": eval_loss}
+    self._writer.write(row)
+    self.rows.append(row)
+    self._clock = time.perf_counter()  # the eval's time is not the next step's
+
+  def store(self) -> None:
+    """Every row written so far is on disk (with each checkpoint, so a resume finds the saved step's rows)."""
+    self._writer.flush()
+
+  def __enter__(self) -> StepLog:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self._writer.close()

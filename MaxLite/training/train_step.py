@@ -19,8 +19,9 @@ from MaxLite.training.train_state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
-  """Summed (not averaged) losses over real tokens, so microbatches add up to the full batch exactly."""
+def batch_loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
+  """(total, sums): the model's losses on `batch` summed (not averaged) over real tokens, so microbatches add up to
+  the full batch exactly; `total` (also sums["loss_sum"]) is what the gradient is taken of."""
   tiled = config.num_vocab_tiling > 1
   out, extra = apply_fn(
     {"params": params},
@@ -45,8 +46,8 @@ def loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: 
     moe = extra["intermediates"]["moe"][0]
     # Token-weighted like the other terms, so gradient accumulation and sharding leave it unchanged.
     sums.update(moe_lb_sum=moe["lb_loss"] * tokens, moe_dropped=moe["dropped"], moe_routed=moe["routed"])
-  total = sums["xent_sum"] + sums["z_sum"] + config.load_balance_loss_weight * sums.get("moe_lb_sum", 0.0)
-  return total, sums
+  sums["loss_sum"] = sums["xent_sum"] + sums["z_sum"] + config.load_balance_loss_weight * sums.get("moe_lb_sum", 0.0)
+  return sums["loss_sum"], sums
 
 
 def _microbatches(batch: Batch, n: int) -> Batch:
@@ -55,7 +56,7 @@ def _microbatches(batch: Batch, n: int) -> Batch:
 
 
 def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) -> tuple[Any, dict]:
-  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  grad_fn = jax.value_and_grad(batch_loss_sums, has_aux=True)
   n = config.gradient_accumulation_steps
   if n == 1:
     (_, aux), grads = grad_fn(state.params, state.apply_fn, batch, rng, config)
@@ -89,7 +90,7 @@ def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: An
   grad_norm = optax.global_norm(grads)
   new_state = state.apply_gradients(grads=grads)
   metrics = {
-    "loss": (aux["xent_sum"] + aux["z_sum"] + config.load_balance_loss_weight * aux.get("moe_lb_sum", 0.0)) / tokens,
+    "loss": aux["loss_sum"] / tokens,
     "z_loss": aux["z_sum"] / tokens,
     "grad_norm": grad_norm,
     "learning_rate": learning_rate_schedule(config)(state.step),
@@ -104,7 +105,7 @@ def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: An
 def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config, shardings: Any = None) -> dict:
   if shardings is not None:
     params = on_device(params, shardings)
-  _, aux = loss_sums(params, apply_fn, batch, jax.random.key(0), config)
+  _, aux = batch_loss_sums(params, apply_fn, batch, jax.random.key(0), config)
   return aux
 
 

@@ -1,0 +1,34 @@
+"""A jax.profiler trace of steps [skip_first_n_steps_for_profiler, + profiler_steps) into the tensorboard dir, taken by
+process 0 when profiler=xplane; otherwise it does nothing."""
+
+from __future__ import annotations
+
+import jax
+
+from MaxLite.config import Config
+
+
+class Profiler:
+  def __init__(self, config: Config):
+    self._on = config.profiler == "xplane" and jax.process_index() == 0
+    self._first = config.skip_first_n_steps_for_profiler
+    self._last = config.skip_first_n_steps_for_profiler + config.profiler_steps
+    self._dir, self._active = config.tensorboard_dir, False
+
+  def before_step(self, step: int) -> None:
+    if self._on and step == self._first:
+      jax.profiler.start_trace(self._dir)
+      self._active = True
+    if self._active and step == self._last:
+      self.stop()
+
+  def stop(self) -> None:
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active = False
+
+  def __enter__(self) -> Profiler:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.stop()
