@@ -12,6 +12,8 @@ import numpy as np
 import procs
 import pytest
 
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
+
 BENCH = os.path.join(procs.REPO, "end_to_end", "benchmark.py")
 BENCH_YML = os.path.join(procs.REPO, "configs", "bench.yml")
 BENCH_ARGS = ("model_name=tiny", "steps=6", "max_target_length=64")

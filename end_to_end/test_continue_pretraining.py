@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402  (with transformers)
 
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
+
 VOCAB = 512
 PROMPT = "The history of"
 

@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 import procs
+import pytest
+
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
 
 DECODE = os.path.join(procs.REPO, "MaxLite", "decode.py")
 

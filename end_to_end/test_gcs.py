@@ -17,6 +17,8 @@ import procs
 import pytest
 from gcs import LocalGCS
 
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
+
 BUCKET = "maxlite-test"
 TINY = (*procs.TINY, "dataset_type=grain")
 CORPUS = os.path.join(procs.REPO, "assets", "corpus")

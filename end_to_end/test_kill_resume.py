@@ -14,6 +14,9 @@ import time
 
 import orbax.checkpoint as ocp
 import procs
+import pytest
+
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
 
 TINY = (*procs.TINY, "enable_tensorboard=false")
 

@@ -9,6 +9,9 @@ import time
 
 import numpy as np
 import procs
+import pytest
+
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
 
 TINY = (
   *procs.TINY,

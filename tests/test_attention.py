@@ -63,6 +63,7 @@ def _assert_same(got, want):
     np.testing.assert_allclose(g, r, atol=GRAD_ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "heads, kv_heads, fused",
   [(4, 4, "false"), (8, 2, "false"), (4, 1, "false"), (8, 2, "true")],
@@ -122,6 +123,7 @@ def test_cudnn_wrapper_masks_like_dot_product():
   _assert_same(_loss_and_grads(xla, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "model, layout",
   [
@@ -242,6 +244,7 @@ print("SCORES" if ",1024,1024]" in text else "NO_SCORES", config.attention_kerne
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
 @pytest.mark.parametrize(
   "topology, attention, expected",

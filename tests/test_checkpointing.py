@@ -39,6 +39,7 @@ BASE = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["dataset_type=synthetic", "dataset_type=grain"])
 def test_resume_equals_uninterrupted_run(tmp_path, data):
   straight = train(
@@ -68,6 +69,7 @@ def _copy_run(tmp_path, source, target):
   shutil.copytree(tmp_path / source, tmp_path / target)
 
 
+@pytest.mark.slow
 def test_resharding_restore(tmp_path):
   """Saved under fsdp=8; resumed under fsdp=2 x tensor=4, pipeline stage=2 x fsdp=4 and on 1 device."""
   # 4 kv heads so that tensor=4 splits them evenly.
@@ -113,6 +115,7 @@ def test_resharding_restore(tmp_path):
   np.testing.assert_allclose(losses(staged), straight[4:], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_params_only_load_gives_source_eval_loss(tmp_path):
   args = (*BASE, "dataset_type=grain", "eval_steps=2", f"base_output_directory={tmp_path}")
   rows = train(
@@ -166,6 +169,7 @@ def test_load_path_that_does_not_exist(tmp_path):
     train(config, first_devices(1))
 
 
+@pytest.mark.slow
 def test_load_path_names_a_mismatched_parameter_and_both_shapes(tmp_path, saved_run):
   config = make_config(
     *BASE, "base_mlp_dim=128", f"base_output_directory={tmp_path}", f"load_parameters_path={saved_run}/checkpoints/2"
@@ -198,6 +202,7 @@ def _corrupt(step_dir, how):
       record.unlink()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["garbage", "no_metadata", "no_data_position"])
 def test_unreadable_newest_step_falls_back_to_the_previous_one(tmp_path, saved_run, caplog, how):
   """Resuming skips an unreadable step 2 with a warning, continues exactly as a resume from step 1
@@ -307,6 +312,7 @@ def test_a_step_whose_update_is_not_finite_is_never_saved(tmp_path):
   assert step_numbers(str(tmp_path / "r" / "checkpoints")) == []
 
 
+@pytest.mark.slow
 def test_load_full_state_continues_like_a_resume_of_that_step(tmp_path):
   """load_full_state_path=<run a's step 2> trains steps 3 and 4 exactly as resuming run a from step 2
   does when its data position is put back to the start (a full-state load keeps step and optimizer,

@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, run_train_cli
+
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
 
 
 def test_train_command_synthetic_20_steps(tmp_path):

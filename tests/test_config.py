@@ -210,6 +210,7 @@ def test_maxtext_only_keys_name_themselves_as_unimplemented(key):
     make_config("ici_fsdp_paralelism=2")
 
 
+@pytest.mark.slow
 def test_maxtext_style_command_trains_with_maxtext_key_names(tmp_path):
   """MaxText's names for checkpoint retention and sharding printout act, not just parse."""
   args = [

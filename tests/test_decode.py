@@ -30,6 +30,7 @@ def _full_logits(config, params, rows):
   return np.asarray(jax.jit(Transformer(config).apply)({"params": params}, ids, pos, segments))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "model",
   [("model_name=tiny",), ("model_name=tiny", "scan_layers=false"), ("model_name=tiny-moe",)],
@@ -49,6 +50,7 @@ def test_cached_decoding_equals_full_recomputation(model):
       assert outputs[row][i] == int(np.argmax(expected))  # greedy picks the recomputed argmax
 
 
+@pytest.mark.slow
 def test_decoding_stops_a_row_at_eos():
   config = make_config("model_name=tiny", "max_target_length=32", "max_prefill_predict_length=10", "max_decode_steps=8")
   params = _params(config)

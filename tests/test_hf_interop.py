@@ -150,6 +150,7 @@ def test_bad_inputs_are_one_clear_line(tmp_path):
   _expect_error("already exists", path, str(tmp_path / "o5"), [])
 
 
+@pytest.mark.slow
 def test_maxlite_trained_model_exports_to_transformers(tmp_path):
   """A tiny model trained by MaxLite, exported: transformers gives MaxLite's logits."""
   from MaxLite.training.trainer import train

@@ -55,6 +55,7 @@ def hf_model(tmp_path, variant):
   return model, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_converted_model_matches_transformers_and_exports_back_exactly(tmp_path, variant):
   model, path = hf_model(tmp_path, variant)

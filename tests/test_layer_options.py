@@ -118,6 +118,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 def test_custom_remat_and_fused_kernels_on_8_devices_equal_the_plain_model(layout, fused):
@@ -134,6 +135,7 @@ PRESETS = [p for p in choices.REMAT_POLICIES if p not in ("none", "custom")]
 
 
 # The presets differ only in which dense names they keep; MoE checks the two that name its block.
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, policy", [("dense", p) for p in PRESETS] + [("moe", "minimal"), ("moe", "full")])
 def test_every_preset_equals_no_remat(kind, policy):
   params, want = reference(kind)

@@ -94,6 +94,7 @@ def test_tiled_bfloat16_loss_adds_the_head_gradient_in_float32():
   assert error(tiled) <= 1.5 * error(total(1, jnp.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", ["false", "true"])
 def test_training_with_vocab_tiling_matches_untiled(tmp_path, tied):
   tied = f"logits_via_embedding={tied}"
@@ -104,6 +105,7 @@ def test_training_with_vocab_tiling_matches_untiled(tmp_path, tied):
   )
 
 
+@pytest.mark.slow
 def test_vocab_tiling_on_8_devices_with_sequence_and_tensor_split(tmp_path):
   layout = ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2")
   np.testing.assert_allclose(
@@ -118,6 +120,7 @@ def test_vocab_tiling_that_cannot_split_the_sequence_is_one_line():
     make_config(*RUN, "num_vocab_tiling=3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "overrides",
   [
@@ -252,6 +255,7 @@ print(json.dumps({"stacked": sorted(shapes), "found": sorted(s for s in shapes i
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
 def test_tpu_step_keeps_no_bfloat16_copy_of_the_stacked_layer_weights():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -41,6 +41,7 @@ def _loss_and_grads(config, params, batch):
   return jax.jit(fn)(params)
 
 
+@pytest.mark.slow
 def test_parameter_count_formula_matches_model():
   for overrides in (
     ["model_name=tiny"],
@@ -54,6 +55,7 @@ def test_parameter_count_formula_matches_model():
     assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params
 
 
+@pytest.mark.slow
 def test_scan_and_unrolled_layers_give_the_same_loss_and_grads():
   scanned = make_config("model_name=tiny", "scan_layers=true")
   unrolled = make_config("model_name=tiny", "scan_layers=false")
@@ -76,6 +78,7 @@ def no_remat_reference():
   return batch, params, _loss_and_grads(reference, params, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "policy", ["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "save_dot_except_mlpwi"]
 )

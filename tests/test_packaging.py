@@ -54,6 +54,7 @@ def test_one_pinned_source_of_dependencies():
 SCRIPTS = _pyproject()["project"]["scripts"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_console_script_prints_usage_with_an_example(script):
   module = SCRIPTS[script].split(":")[0]
@@ -88,6 +89,7 @@ def test_a_bad_command_line_is_one_error_line_and_exit_2(tool):
   assert "--help" in lines[0]
 
 
+@pytest.mark.slow
 def test_installed_package_trains_outside_the_checkout(tmp_path):
   """`pip install .` (not editable) ships configs, corpus and tokenizer inside the package."""
   site = tmp_path / "site"

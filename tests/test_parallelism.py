@@ -57,6 +57,7 @@ def moe_reference(tmp_path_factory):
   return _losses(_run(tmp_path_factory.mktemp("moe"), 1, *MOE, "sparse_matmul=false", "per_device_batch_size=8"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh",
   [
@@ -82,6 +83,7 @@ def test_dense_layouts_match_single_device(tmp_path, dense_reference, mesh):
   np.testing.assert_allclose(grad_norms, dense_reference[1], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh",
   [
@@ -98,6 +100,7 @@ def test_dispatch_moe_layouts_match_single_device(tmp_path, moe_reference, mesh)
   assert all(r["moe_dropped_fraction"] == 0.0 for r in rows)  # capacity_factor=-1: nothing dropped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh",
   [
@@ -131,6 +134,7 @@ def test_sparse_matmul_moe_equals_the_dense_dispatch_on_one_device(tmp_path, moe
   assert all(r["moe_dropped_fraction"] == 0.0 for r in rows)
 
 
+@pytest.mark.slow
 def test_sparse_matmul_drops_per_expert_per_batch_shard(tmp_path):
   rows = _run(tmp_path, 1, *MOE, "sparse_matmul=true", "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
   assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
@@ -214,6 +218,7 @@ def _block_value_and_grads(layout, *dispatch):
   return y, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["megablox=false", "megablox=true"])
 @pytest.mark.parametrize(
   "layout",
@@ -229,6 +234,7 @@ def test_sparse_moe_block_forward_and_gradients_equal_the_dense_dispatch(layout,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_tiny_capacity_reports_dropped_tokens(tmp_path):
   rows = _run(tmp_path, 1, *MOE, "sparse_matmul=false", "per_device_batch_size=2", "capacity_factor=0.25", "steps=2")
   assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
@@ -285,6 +291,7 @@ def test_invalid_layouts_fail_with_one_line(overrides, fragment):
   assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_print_sharding_from_the_command_line(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run(

@@ -92,6 +92,7 @@ def _ranked_rows(stdout):
   return re.findall(r"^\s*\d+\s{2}(.+?)\s+(\d+\.\d)%\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(-?\d+)%", stdout, re.M)
 
 
+@pytest.mark.slow
 def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_path):
   hbm_gib = 0.03  # small enough that the largest batches do not fit
   args = ["model_name=tiny", "compile_topology=cpu-8", "max_target_length=64", "ici_tensor_parallelism=2"]
@@ -144,6 +145,7 @@ def test_impossible_requests_are_one_line(args, message):
   assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_predicted_order_of_clearly_separated_plans_is_the_measured_order(tmp_path):
   """Two plans for the same model on the 8 simulated devices, one predicted to give clearly fewer tokens/s (a batch
   so small that the per-step weight and optimizer work dominates): the measured tokens/s agree."""

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import make_config, run_train_cli
 
 from MaxLite.checkpoint.resume_checks import resume_differences
@@ -54,6 +55,7 @@ def _train(tmp_path, *overrides):
   )
 
 
+@pytest.mark.slow
 def test_a_changed_data_stream_stops_the_resume_with_one_line_and_steps_may_grow(tmp_path):
   assert _train(tmp_path, "steps=2").returncode == 0
   changed = _train(tmp_path, "steps=4", "data_shuffle_seed=9", "max_target_length=32")

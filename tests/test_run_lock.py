@@ -44,6 +44,7 @@ def _dead_pid() -> int:
   return proc.pid
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_run_directory_stops_with_one_line(tmp_path):
   lock, metrics = tmp_path / "r" / run_lock.LOCK_FILE, str(tmp_path / "r" / "metrics.jsonl")
   args = (*TINY, f"base_output_directory={tmp_path}", "enable_checkpointing=true", "checkpoint_period=100000")
@@ -68,6 +69,7 @@ def test_a_second_run_on_a_live_run_directory_stops_with_one_line(tmp_path):
   assert not lock.exists()
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   lock, metrics = tmp_path / "r" / run_lock.LOCK_FILE, str(tmp_path / "r" / "metrics.jsonl")
   args = (*TINY, f"base_output_directory={tmp_path}")
@@ -242,6 +244,7 @@ def test_a_run_whose_gs_lock_is_taken_over_stops_before_its_next_save(bucket, tm
   assert json.loads(server.read("locks", f"runs/taken/{run_lock.LOCK_FILE}"))["host"] == "elsewhere"
 
 
+@pytest.mark.slow
 def test_every_process_of_a_job_stops_when_process_0_is_refused_the_lock(bucket, tmp_path):
   server, url = bucket
   server.upload("locks", f"runs/busy/{run_lock.LOCK_FILE}", _foreign_lock())

@@ -237,6 +237,7 @@ def _cli_metrics(tmp_path, run_name, *overrides):
   return [{k: v for k, v in r.items() if "loss" in k or k == "grad_norm"} for r in rows]
 
 
+@pytest.mark.slow
 def test_training_on_parquet_shards_equals_training_on_arrayrecord(corpus, tmp_path):
   """The shipped default run (train and eval files) against the same documents as Parquet shards."""
   files, column = corpus[1]["parquet"]

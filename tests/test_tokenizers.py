@@ -242,6 +242,7 @@ def test_bad_tokenizer_input_is_one_line(hf_dirs, tiktoken_file, tmp_path):
 # ------------------------------------------------------------------------------------------ commands
 
 
+@pytest.mark.slow
 def test_train_and_decode_commands_with_a_huggingface_tokenizer(hf_dirs, tmp_path):
   """train.py on the shipped ArrayRecord corpus, then decode.py from its checkpoint, with tokenizer_type=huggingface."""
   tokenizer = ("tokenizer_type=huggingface", f"tokenizer_path={hf_dirs['configured']}")

@@ -45,6 +45,7 @@ def single_device(tmp_path_factory):
   return _losses(tmp_path_factory.mktemp("one"), 1, "per_device_batch_size=8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh",
   [
@@ -61,12 +62,14 @@ def test_mesh_layouts_match_single_device(tmp_path, single_device, mesh):
   np.testing.assert_allclose(grad_norms, single_device[1], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, single_device):
   losses, grad_norms = _losses(tmp_path, 1, "per_device_batch_size=2", "gradient_accumulation_steps=4")
   np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
   np.testing.assert_allclose(grad_norms, single_device[1], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_bit_for_bit(tmp_path, single_device):
   again, grad_norms = _losses(tmp_path, 1, "per_device_batch_size=8")
   assert again == single_device[0] and grad_norms == single_device[1]
@@ -155,6 +158,7 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
     train(config, first_devices(1))
 
 
+@pytest.mark.slow
 def test_eval_rows_are_logged(tmp_path):
   config = make_config(
     *TINY,
@@ -184,6 +188,7 @@ class _CompileLog(logging.Handler):
       self.names.append(match.group(1))
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_the_first_step(tmp_path):
   """Train, eval and checkpoint saves each compile once; later steps reuse the executables."""
   handler = _CompileLog()

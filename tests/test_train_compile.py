@@ -53,6 +53,7 @@ def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
   assert len(rows) >= 3 and any("<- " in r and "/" in r.split("<- ")[1] for r in rows), table
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
   def host_mib(*overrides):
@@ -71,6 +72,7 @@ def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
   assert arguments >= 3 * 1151616 * 4 / 4 / 2**20
 
 
+@pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("slices, mesh", [(1, "mesh fsdp=4"), (2, "mesh data=2 x fsdp=4")])
 def test_tiny_on_v5p_8_fits(slices, mesh):
@@ -83,6 +85,7 @@ def test_tiny_on_v5p_8_fits(slices, mesh):
   assert f"XLA flags (MaxLite's v5p defaults (topologies.LIBTPU_FLAGS)): {flags}" in proc.stdout
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_users_libtpu_init_args_win_and_are_reported():
   env = dict(os.environ, LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=false")

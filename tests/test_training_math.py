@@ -85,6 +85,7 @@ def numpy_losses(logits, batch, z_loss_multiplier=0.0):
   return xent.mean(), (xent + z_loss_multiplier * log_z[real] ** 2).mean()
 
 
+@pytest.mark.slow
 def test_eval_and_train_loss_equal_numpy_cross_entropy_over_real_tokens():
   setup = Setup("per_device_batch_size=1", "z_loss_multiplier=1e-3")
   vocab = setup.config.vocab_size
@@ -130,6 +131,7 @@ def test_eval_and_train_loss_equal_numpy_cross_entropy_over_real_tokens():
   assert abs(all_positions / expected_xent - 1) > 1e-3
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_unequal_microbatches_equals_the_big_batch():
   """2 microbatches, one nearly full and one nearly all padding: the step must weight every real token equally
   (sum of losses / sum of tokens), not average the two microbatch means."""
@@ -182,6 +184,7 @@ def test_gradient_accumulation_with_unequal_microbatches_equals_the_big_batch():
 BF16_BAND = 1e-3
 
 
+@pytest.mark.slow
 def test_bfloat16_loss_curve_tracks_float32(tmp_path):
   curves = {}
   for dtype in ("float32", "bfloat16"):
@@ -222,6 +225,7 @@ def test_weight_decay_spares_norm_scales_and_biases():
   assert float(jnp.abs(updates["query"]["bias"]).max()) == 0 and float(jnp.abs(updates["norm"]["scale"]).max()) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("donate_params", [False, True])
 def test_the_step_donates_the_optimizer_state_and_the_parameters_only_when_asked(donate_params):
   """The new optimizer state overwrites the old one in place; the parameters get a fresh buffer unless

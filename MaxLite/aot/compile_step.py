@@ -49,6 +49,8 @@ def prepare_backend(target: topologies.Target, repo: str | None = None, dump_dir
       ("TPU_ACCELERATOR_TYPE", target.name),
       ("TPU_WORKER_HOSTNAMES", "localhost"),
       ("TPU_WORKER_ID", "0"),
+      # Compiling opens no chip, so two compiles on one machine (plan workers, parallel tests) may load libtpu at once.
+      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
     ):
       os.environ.setdefault(key, value)
   else:
