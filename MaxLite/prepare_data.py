@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from MaxLite import cli
 from MaxLite.cli.errors import InputError
-from MaxLite.data.prepare import prepare
+from MaxLite.data.prepare import describe, prepare
 
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -40,29 +40,12 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def run(argv: Sequence[str]) -> int:
   args = _parse_args(argv)
+  options = {k: v for k, v in vars(args).items() if k not in ("input", "output_dir", "num_shards", "format")}
   try:
-    s = prepare(
-      args.input,
-      args.output_dir,
-      args.num_shards,
-      fmt=args.format,
-      text_field=args.text_field,
-      on_missing_field=args.on_missing_field,
-      eval_fraction=args.eval_fraction,
-      split_by=args.split_by,
-      min_doc_chars=args.min_doc_chars,
-      max_doc_chars=args.max_doc_chars,
-      overwrite=args.overwrite,
-      progress=sys.stderr,
-    )
+    summary = prepare(args.input, args.output_dir, args.num_shards, fmt=args.format, progress=sys.stderr, **options)
   except OSError as e:
     raise InputError(str(e)) from None
-  print(
-    f"prepare: {s['files']} files -> {s['train_documents']:,} train documents ({s['train_bytes']:,} bytes) "
-    f"in {len(s['train_shards'])} shards, {s['eval_documents']:,} eval documents ({s['eval_bytes']:,} bytes) "
-    f"in {len(s['eval_shards'])} shard; skipped {s['skipped']['missing_field']} missing-field, "
-    f"{s['skipped']['empty']} empty; {s['seconds']} s -> {args.output_dir}"
-  )
+  print(describe(summary, args.output_dir))
   return 0
 
 

@@ -201,3 +201,13 @@ def prepare(
     "skipped": skipped,
     "seconds": round(time.time() - start, 2),
   }
+
+
+def describe(s: dict, output_dir: str) -> str:
+  """prepare()'s summary as the one line the command prints."""
+  return (
+    f"prepare: {s['files']} files -> {s['train_documents']:,} train documents ({s['train_bytes']:,} bytes) "
+    f"in {len(s['train_shards'])} shards, {s['eval_documents']:,} eval documents ({s['eval_bytes']:,} bytes) "
+    f"in {len(s['eval_shards'])} shard; skipped {s['skipped']['missing_field']} missing-field, "
+    f"{s['skipped']['empty']} empty; {s['seconds']} s -> {output_dir}"
+  )
