@@ -77,8 +77,6 @@ def cache_dir(config_value: str) -> str:
 def _init_worker(target_name: str) -> None:
   from MaxLite.aot.compile_step import prepare_backend
 
-  # Several compile-only workers load libtpu at once; its single-process lock file is for real TPU hosts.
-  os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
   prepare_backend(topologies.parse(target_name))
 
 
