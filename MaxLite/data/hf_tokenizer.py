@@ -92,6 +92,11 @@ class HuggingFaceTokenizer:
     # token spelled out in the text still becomes its id, as in transformers.
     return self._tok.encode(text, add_special_tokens=False).ids
 
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """encode(text) and each token's [start, end) character span in `text` (chat masks are found by characters)."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return encoding.ids, encoding.offsets
+
   def decode(self, ids: Iterable[int]) -> str:
     # Special tokens are kept, so decode(encode(text)) == text even when the text spells one out.
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
