@@ -12,6 +12,14 @@ import sys
 import jax
 import pytest
 
+# One compilation cache for every test process of a session (both xdist workers): many tests compile the same small
+# programs (a single-device reference step, the same layer under several layouts), and XLA's CPU compiles are a large
+# part of the suite's time. Only in these processes: the train.py processes a test starts keep their own settings.
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxlite-test-xla-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # not the many small eager ops
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", 2 << 30)  # least recently used entries go first
+
 from MaxLite.config import load_config
 
 BASE_YML = os.path.join(REPO, "configs", "base.yml")
