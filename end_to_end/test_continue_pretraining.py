@@ -76,11 +76,11 @@ def llama_folder(path):
     json.dump({"bos_token": specials[0], "eos_token": specials[1], "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
-def readme_commands():
-  """The command lines of README's "Continue pretraining Llama 3.2 1B" block (continuations joined, comments out)."""
+def readme_commands(heading="### Continue pretraining Llama 3.2 1B"):
+  """The command lines of the README's first bash block under `heading` (continuations joined, comments out)."""
   with open(os.path.join(REPO, "README.md")) as f:
     text = f.read()
-  block = text.split("### Continue pretraining Llama 3.2 1B", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+  block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
   lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
   return [shlex.split(line) for line in lines]
 

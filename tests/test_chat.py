@@ -107,6 +107,36 @@ def test_ids_and_mask_equal_transformers(tokenizer_dirs, name, index):
   assert again.render(messages) == template.render(messages)
 
 
+# Qwen3's shape: the last reply gets an (empty) reasoning block that earlier replies lose once a later turn exists,
+# so rendered prefixes are not stable and replies are located by their content.
+QWEN3_LIKE = (
+  "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+  "{% if message['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+  "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+  "{% else %}{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_that_rewrites_earlier_turns_masks_reply_contents(tokenizer_dirs, tmp_path):
+  path = tokenizer_dirs["chatml"]
+  template_file = tmp_path / "qwen3.jinja"
+  template_file.write_text(QWEN3_LIKE)
+  reference = transformers.AutoTokenizer.from_pretrained(path)
+  messages = [
+    {"role": "user", "content": "What is a list?"},
+    {"role": "assistant", "content": "A mutable sequence."},
+    {"role": "user", "content": "And a tuple?"},
+    {"role": "assistant", "content": "An immutable one."},
+  ]
+  expected = reference.apply_chat_template(
+    messages, chat_template=QWEN3_LIKE, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+  )
+  ids, mask = encode_chat(ChatTemplate.load(path, str(template_file)), load_tokenizer(path, "huggingface"), messages)
+  np.testing.assert_array_equal(ids, expected["input_ids"])
+  np.testing.assert_array_equal(mask, expected["assistant_masks"])
+
+
 def test_template_sources(tokenizer_dirs, tmp_path):
   path = tokenizer_dirs["chatml"]
   messages = CONVERSATIONS[0]
@@ -142,10 +172,12 @@ def test_bad_templates_and_conversations(tokenizer_dirs, tmp_path):
   refusing.write_text("{{ raise_exception('only user turns') }}")
   with pytest.raises(InputError, match="only user turns"):
     encode_chat(ChatTemplate.load(path, str(refusing)), tokenizer, CONVERSATIONS[0])
-  # A template that rewrites earlier turns once a later one exists: replies cannot be located.
+  # A template that drops earlier replies once a later turn exists: they cannot be located.
   rewriting = tmp_path / "rewriting.jinja"
-  rewriting.write_text("{% for m in messages %}{{ m['content'] if loop.last else 'x' }}\n{% endfor %}")
-  with pytest.raises(InputError, match="does not render as a prefix"):
+  rewriting.write_text(
+    "{% for m in messages %}{{ m['content'] if loop.last or m['role'] != 'assistant' else 'x' }}\n{% endfor %}"
+  )
+  with pytest.raises(InputError, match="reply 2 is not in the rendered conversation"):
     encode_chat(ChatTemplate.load(path, str(rewriting)), tokenizer, CONVERSATIONS[1])
   sandboxed = tmp_path / "escape.jinja"
   sandboxed.write_text("{{ messages.__class__.__mro__ }}")

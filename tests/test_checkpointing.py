@@ -134,7 +134,7 @@ def test_params_only_load_gives_source_eval_loss(tmp_path):
       sharding_lib.batch_sharding(mesh, config),
       sharding_lib.replicated(mesh),
     )
-    loaded_eval = evaluate(config, mesh, eval_fn, state.params)
+    loaded_eval = evaluate(config, mesh, eval_fn, state.params)["eval_loss"]
   assert step == 0 and int(state.step) == 0
   assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state))  # fresh Adam moments, count 0
   assert loaded_eval == pytest.approx(source_eval, rel=1e-6)

@@ -206,7 +206,8 @@ def _copy_tokenizer_files(config: Any, output_path: str) -> list[str]:
   source = storage.resolve(config.tokenizer_path)
   folder = source if storage.isdir(source) else storage.dirname(source)
   files = {"tokenizer.json": source if storage.isfile(source) else storage.join(folder, "tokenizer.json")}
-  files.update({name: storage.join(folder, name) for name in ("tokenizer_config.json", "special_tokens_map.json")})
+  others = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # as transformers 5 saves
+  files.update({name: storage.join(folder, name) for name in others})
   copied = []
   for name, path in files.items():
     if storage.isfile(path):

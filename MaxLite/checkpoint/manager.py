@@ -264,7 +264,7 @@ def select_iterator_state(saved: dict[int, Any], step_dir: str) -> Any:
   states = [saved[p]["state"] for p in sorted(saved)]
   if "slots" not in states[0]:
     return states[0]
-  merged = {"num_slots": states[0]["num_slots"], "slots": {}}
+  merged = {k: v for k, v in states[0].items() if k != "slots"} | {"slots": {}}
   for state in states:
     merged["slots"].update(state["slots"])
   return merged

@@ -1,7 +1,8 @@
 """What a run may not change when it resumes from its own checkpoint.
 
 An exact resume continues the same model on the same data stream. The stream is a function of the data
-files, tokenizer, seed, sequence length, global batch size and packing settings (MaxLite/data/grain_pipeline.py),
+files, tokenizer, chat template, seed, sequence length, global batch size and packing settings (MaxLite/data/
+grain_pipeline.py; the data position also records the tokenizer's and template's contents),
 and the weights only fit the same model shape; the mesh, the number of processes, `steps` and everything
 else may change. A difference is named, never absorbed: silently continuing would skip or repeat data.
 """
@@ -28,6 +29,12 @@ FILE_STREAM_KEYS = (
   "tokenizer_type",
   "add_bos",
   "add_eos",
+  "use_sft",
+  "use_dpo",
+  "sft_train_on_completion_only",
+  "train_data_columns",
+  "use_chat_template",
+  "chat_template_path",
 )
 
 

@@ -35,6 +35,9 @@ DECODER_BLOCKS = ("llama2",)
 ROPE_TYPES = ("default", "llama3.1", "yarn")
 PROFILERS = ("", "xplane")
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+# train_data_columns (MaxText's key) of each post-training record kind; the first of a kind is its default.
+SFT_COLUMNS = (("messages",), ("prompt", "completion"))
+DPO_COLUMNS = (("prompt", "chosen", "rejected"), ("chosen", "rejected"))
 
 # Every name a layer tags, in the order base.yml lists their `custom` keys.
 REMAT_NAMES = (

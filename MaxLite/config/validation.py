@@ -13,7 +13,7 @@ from typing import Any
 
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import attention_choice
+from MaxLite.config import attention_choice, post_training
 from MaxLite.config.choices import (
   ATTENTION,
   AXIS_KEY,
@@ -376,6 +376,7 @@ def validate_and_derive(
   c = dict(c)
   _check_choices(c)
   _check_data_files(c)
+  c.update(post_training.derive(c))
   _check_positive(c)
   _check_model_features(c)
   _check_optimizer(c)

@@ -11,9 +11,10 @@ comes from, first found wins:
 
 Which tokens are the assistant's (trained with sft_train_on_completion_only) is found by rendering, not by parsing:
 the reply to message i is what the conversation up to and including it renders to beyond the conversation before it
-rendered with add_generation_prompt=True (the assistant's header). Both renderings must be prefixes of the whole
-conversation's rendering, which holds for the templates of Llama, Qwen, Mistral and Gemma; a template that rewrites
-earlier turns (one that drops old reasoning, say) is an InputError. The trained tokens are those holding the reply's
+rendered with add_generation_prompt=True (the assistant's header). That needs both renderings to be prefixes of the
+whole conversation's rendering, as they are for the templates of Llama, Qwen2.5, Mistral and Gemma. For a template that
+rewrites earlier turns (Qwen3 drops an earlier reply's reasoning block), each reply's content is found in order in the
+rendered text instead, through the end-of-turn (EOS) token after it. The trained tokens are those holding the reply's
 first to last character (by the tokenizer's character offsets), as in transformers' assistant mask.
 """
 
@@ -196,16 +197,47 @@ def encode_chat(
   mask = np.full(len(ids), 0 if completion_only else 1, np.int32)
   if not completion_only:
     return ids, mask
+  spans = _reply_spans(template, messages, whole)
+  if spans is None:
+    spans = _reply_spans_by_content(template, messages, whole)
+  for first, last in spans:
+    mask[_tokens_covering(offsets, first, last)] = 1
+  return ids, mask
+
+
+def _reply_spans(template: ChatTemplate, messages: list[Message], whole: str) -> list[tuple[int, int]] | None:
+  """[first, last] characters of each reply, found by rendering prefixes; None if the template is not prefix-stable."""
+  spans = []
   for i, message in enumerate(messages):
     if message["role"] != "assistant":
       continue
     header = template.render(messages[:i], add_generation_prompt=True)
     through_reply = template.render(messages[: i + 1])
     if not (whole.startswith(through_reply) and through_reply.startswith(header)):
-      raise InputError(
-        f"{template.where}: the conversation up to message {i} does not render as a prefix of the whole "
-        "conversation, so its reply cannot be located; train on every token (sft_train_on_completion_only=false)"
-      )
+      return None
     if len(through_reply) > len(header):
-      mask[_tokens_covering(offsets, len(header), len(through_reply) - 1)] = 1
-  return ids, mask
+      spans.append((len(header), len(through_reply) - 1))
+  return spans
+
+
+def _reply_spans_by_content(template: ChatTemplate, messages: list[Message], whole: str) -> list[tuple[int, int]]:
+  """For templates that render a turn differently once later turns follow (Qwen3 drops an earlier reply's reasoning
+  block): each reply's content, found in order in the rendered text, through the end-of-turn token after it."""
+  end_of_turn = template.specials.get("eos_token", "")
+  spans, cursor = [], 0
+  for i, message in enumerate(messages):
+    content = message.get("content")
+    if message["role"] != "assistant" or not isinstance(content, str) or not content.strip():
+      continue
+    start = whole.find(content.strip(), cursor)
+    if start < 0:
+      raise InputError(
+        f"{template.where}: reply {i} is not in the rendered conversation, so it cannot be located; train on every "
+        "token (sft_train_on_completion_only=false)"
+      )
+    stop = start + len(content.strip())
+    if end_of_turn and (found := whole.find(end_of_turn, stop)) >= 0:
+      stop = found + len(end_of_turn)
+    spans.append((start, stop - 1))
+    cursor = stop
+  return spans

@@ -11,27 +11,63 @@ how many processes read it, the mesh, or the device order: a process builds exac
 hold, and nobody reads another slot's records.
 
 The files are ArrayRecord, Parquet or JSONL (sources.py: document i of the concatenated files, by random
-access); the same documents in any of them give the same batches.
+access); the same documents in any of them give the same batches. Post-training records (conversations,
+prompt/completion, preference pairs: `Records`) replace tokenization with records.EncodeRecord, which gives
+documents with loss masks and DPO pairs that the packer keeps whole.
 
 Everything up to tokenization is random access (a pure function of the index), so a slot's state is two
 integers: the index of the document it is in the middle of (or the next one) and how many of its pairs were
 already emitted. The iterator's state is {slot: [index, offset]} for its slots plus num_slots; states of
-several processes merge into one dict, and any other topology restores its own slots from it.
+several processes merge into one dict, and any other topology restores its own slots from it. The state also
+holds a fingerprint of the tokenizer and chat template, so a resume that would tokenize differently is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grain
 import numpy as np
 
+from MaxLite import storage
 from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.data import BATCH_KEYS
+from MaxLite.data.chat import ChatTemplate
 from MaxLite.data.packing import StreamingPacker, empty_row
-from MaxLite.data.sources import open_source
+from MaxLite.data.records import EncodeRecord
+from MaxLite.data.sources import open_records, open_source
 from MaxLite.data.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class Records:
+  """Post-training records instead of text documents: `kind` as config.post_training.data_kind, the `columns` to
+  read, the chat template (use_chat_template) and whether only responses are learned."""
+
+  kind: str
+  columns: Sequence[str]
+  use_chat_template: bool = False
+  chat_template_path: str = ""
+  completion_only: bool = False
+
+
+def _fingerprint(tokenizer_path: str, template: ChatTemplate | None) -> str:
+  """What tokenization depends on beyond the keys a resume compares: the contents of the tokenizer's files and of
+  the chat template (an edited file under the same name would change every row)."""
+  digest = hashlib.sha256()
+  if storage.isdir(tokenizer_path):
+    files = [storage.join(tokenizer_path, name) for name in ("tokenizer.json", "tokenizer_config.json")]
+  else:
+    files = [tokenizer_path]
+  for path in files:
+    digest.update(storage.read_bytes(path) if storage.isfile(path) else b"-")
+  if template is not None:
+    digest.update(template.source.encode("utf-8"))
+  return digest.hexdigest()[:16]
 
 
 class _Tokenize(grain.transforms.Map):
@@ -96,8 +132,17 @@ class _SlotStream:
 class SlotBatchIterator:
   """Batches of this process's rows: row i is the next row of slot `slots[i]` (see module docstring)."""
 
-  def __init__(self, streams: dict[int, _SlotStream], slots: list[int], num_slots: int, seq_len: int, workers: int):
+  def __init__(
+    self,
+    streams: dict[int, _SlotStream],
+    slots: list[int],
+    num_slots: int,
+    seq_len: int,
+    workers: int,
+    fingerprint: str = "",
+  ):
     self._streams, self._slots, self._num_slots, self._seq_len = streams, slots, num_slots, seq_len
+    self._fingerprint = fingerprint
     self._unique = sorted(streams)
     # Slots are independent, so threads may fill them at once without changing any row.
     self._pool = ThreadPoolExecutor(workers) if workers > 0 else None
@@ -116,7 +161,11 @@ class SlotBatchIterator:
     return {k: np.stack([r[k] for r in ordered]).astype(np.int32, copy=False) for k in BATCH_KEYS}
 
   def get_state(self) -> dict[str, Any]:
-    return {"num_slots": self._num_slots, "slots": {str(s): self._streams[s].get_state() for s in self._unique}}
+    return {
+      "num_slots": self._num_slots,
+      "tokenization": self._fingerprint,
+      "slots": {str(s): self._streams[s].get_state() for s in self._unique},
+    }
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Takes this process's slots from a state that holds them (a merge of any processes' states)."""
@@ -126,6 +175,12 @@ class SlotBatchIterator:
       raise InputError(
         f"the saved data position is for a global batch of {state['num_slots']} rows, this run has "
         f"{self._num_slots}; the data stream cannot continue exactly"
+      )
+    saved = state.get("tokenization")  # absent in states saved before it was recorded
+    if saved is not None and saved != self._fingerprint:
+      raise InputError(
+        "the tokenizer files or the chat template changed since the saved data position was written, so the "
+        "rows would differ; restore them, or start a new run_name with load_full_state_path"
       )
     missing = [s for s in self._unique if str(s) not in state["slots"]]
     if missing:
@@ -154,6 +209,7 @@ def make_grain_iterator(
   tokenizer_type: str = "sentencepiece",
   file_type: str = "arrayrecord",
   text_column: str = "text",
+  records: Records | None = None,
 ) -> SlotBatchIterator:
   """Iterator of dicts of int32 arrays [len(slots), seq_len] (keys: data.BATCH_KEYS): rows `slots` of each
   global batch of `num_slots` rows.
@@ -162,7 +218,7 @@ def make_grain_iterator(
   of Parquet rows / JSONL objects). num_epochs=None repeats forever; with a finite count an exhausted slot yields
   segmentation-0 rows until every slot is exhausted, then StopIteration. get_state()/set_state() restore exactly
   the next batch in a fresh iterator. `worker_count` threads fill the slots (the rows do not depend on it).
-  `tokenizer_type`: see data/tokenizer.py.
+  `tokenizer_type`: see data/tokenizer.py. `records`: post-training records instead of `text_column`'s documents.
   """
   if seq_len < 1 or num_slots < 1 or not slots:
     raise ConfigError(f"seq_len, num_slots and slots must be positive, got {seq_len}, {num_slots}, {list(slots)}")
@@ -173,19 +229,26 @@ def make_grain_iterator(
   if worker_count < 0:
     raise ConfigError(f"grain_worker_count must be >= 0, got {worker_count}")
   tokenizer = load_tokenizer(tokenizer_path, tokenizer_type)
-  source = open_source(files, file_type, text_column)
+  template = None
+  if records is None:
+    source, encode = open_source(files, file_type, text_column), _Tokenize(tokenizer, add_bos, add_eos)
+  else:
+    if records.use_chat_template:
+      template = ChatTemplate.load(tokenizer_path, records.chat_template_path)
+    source = open_records(files, file_type, records.columns)
+    encode = EncodeRecord(records.kind, tokenizer, template, records.completion_only, add_bos, add_eos)
   if len(source) < num_slots:
     raise InputError(
       f"data files {files!r} hold {len(source)} records, fewer than the {num_slots} rows of a global batch "
       "(each row reads its own records)"
     )
-  tokenize = _Tokenize(tokenizer, add_bos, add_eos)
   streams = {}
   for slot in sorted(set(slots)):
     docs = grain.MapDataset.source(source)[slot::num_slots]
     per_epoch = len(docs)
     if shuffle:
       docs = docs.shuffle(seed=_slot_seed(seed, slot))
-    docs = docs.repeat(num_epochs).map(tokenize)
+    docs = docs.repeat(num_epochs).map(encode)
     streams[slot] = _SlotStream(docs, seq_len, None if num_epochs is None else per_epoch * num_epochs)
-  return SlotBatchIterator(streams, list(slots), num_slots, seq_len, worker_count)
+  fingerprint = _fingerprint(tokenizer_path, template)
+  return SlotBatchIterator(streams, list(slots), num_slots, seq_len, worker_count, fingerprint)

@@ -17,8 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config
+from MaxLite.config.post_training import data_kind
 from MaxLite.data import BATCH_KEYS
-from MaxLite.data.grain_pipeline import make_grain_iterator
+from MaxLite.data.grain_pipeline import Records, make_grain_iterator
 from MaxLite.data.synthetic import SyntheticIterator
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.parallel.sharding import batch_sharding
@@ -100,6 +101,16 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
       seed=seed,
     )
   files = config.grain_train_files if split == "train" else config.grain_eval_files
+  columns = config.train_data_columns if split == "train" else config.eval_data_columns
+  records = None
+  if config.use_sft or config.use_dpo:
+    records = Records(
+      data_kind(columns),
+      columns,
+      config.use_chat_template,
+      resolve(config.chat_template_path) if config.chat_template_path else "",
+      config.sft_train_on_completion_only,
+    )
   return make_grain_iterator(
     resolve_list(files),
     tokenizer_path=resolve(config.tokenizer_path),
@@ -114,7 +125,8 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
     worker_count=config.grain_worker_count,
     tokenizer_type=config.tokenizer_type,
     file_type=config.grain_file_type,
-    text_column=config.grain_text_column,
+    text_column=columns[0],
+    records=records,
   )
 
 

@@ -14,25 +14,63 @@ only in the last row of a finite stream), positions restart at 0 in each segment
 continuation chunk (it cannot attend to the previous row, so its positions carry no information
 about it). Rows therefore contain no padding except at the very end of the stream.
 
-Between rows the packer's only leftover is one partially consumed document, so its checkpoint is
-"which document" (the caller's source position) plus `offset`, the number of pairs already emitted.
+A document may come with a loss mask (post-training: 1 on the tokens to learn, e.g. the assistant's reply):
+a target is learned when its token's mask is 1, and targets_segmentation is 0 where it is not, so the
+prompt is attended to but not trained on. A group of documents (a DPO pair: chosen, then rejected) is
+placed whole in one row as consecutive segments; when it does not fit in what is left of a row the row
+is closed with padding, and a group longer than a whole row keeps the first seq_len // n pairs of each
+of its n documents.
+
+Between rows the packer's only leftover is one partially consumed document (or one group not yet
+placed), so its checkpoint is "which document" (the caller's source position) plus `offset`, the number
+of pairs already emitted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from MaxLite.data import BATCH_KEYS
 
 
-def document_pairs(tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) of one document: next-token prediction shifted within the document."""
-  toks = np.asarray(tokens, dtype=np.int32)
-  if toks.ndim != 1:
-    raise ValueError(f"a document must be a 1-D token list, got shape {toks.shape}")
-  return toks[:-1], toks[1:]
+class Masked(NamedTuple):
+  """A document with its loss mask (1 = learn this token)."""
+
+  tokens: np.ndarray
+  mask: np.ndarray
+
+
+class Group(tuple):
+  """Documents packed whole into one row, as consecutive segments (a DPO pair: chosen, then rejected)."""
+
+
+Document = Sequence[int] | np.ndarray | Masked
+Item = Document | Group
+_Pairs = tuple[np.ndarray, np.ndarray, np.ndarray]  # inputs, targets, 1 where the target is learned
+
+
+def document_pairs(document: Document) -> _Pairs:
+  """(inputs, targets, learned) of one document: next-token prediction shifted within the document."""
+  if isinstance(document, Masked):
+    tokens, mask = (np.asarray(a, dtype=np.int32) for a in document)
+  else:
+    tokens = np.asarray(document, dtype=np.int32)
+    mask = np.ones_like(tokens)
+  if tokens.ndim != 1 or mask.shape != tokens.shape:
+    raise ValueError(f"a document must be a 1-D token list (with a mask of its shape), got shape {tokens.shape}")
+  return tokens[:-1], tokens[1:], mask[1:]
+
+
+def _group_pairs(group: Group, seq_len: int) -> list[_Pairs]:
+  """The documents of a group with pairs, each cut to seq_len // n pairs when all of them do not fit in a row."""
+  pairs = [p for p in map(document_pairs, group) if len(p[0])]
+  if sum(len(p[0]) for p in pairs) > seq_len:
+    keep = seq_len // len(pairs)
+    pairs = [tuple(a[:keep] for a in p) for p in pairs]
+  return pairs
 
 
 def empty_row(seq_len: int) -> dict[str, np.ndarray]:
@@ -41,44 +79,62 @@ def empty_row(seq_len: int) -> dict[str, np.ndarray]:
 
 
 class StreamingPacker:
-  """Builds rows one at a time from a pull-based stream of documents.
+  """Builds rows one at a time from a pull-based stream of documents and groups (see module docstring).
 
-  `next_row(pull)` calls `pull()` for more documents (token sequences; None = stream exhausted)
-  until the row is full. The one document left partially consumed is kept as (pairs, offset);
-  `restore(tokens, offset)` re-creates that leftover after a restart from the re-read document.
+  `next_row(pull)` calls `pull()` for more items (None = stream exhausted) until the row is full. What is
+  left over is kept as (pending pairs, offset); `restore(item, offset)` re-creates it after a restart from
+  the re-read item.
   """
 
   def __init__(self, seq_len: int):
     if seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     self.seq_len = seq_len
-    self._pending: tuple[np.ndarray, np.ndarray] | None = None
+    self._pending: list[_Pairs] | None = None  # one document's pairs, or a group's
+    self._grouped = False
     self._offset = 0
     self._exhausted = False
 
   @property
   def has_pending(self) -> bool:
-    """True when a document has been pulled but not all of its pairs emitted."""
+    """True when an item has been pulled but not all of its pairs emitted."""
     return self._pending is not None
 
   @property
   def offset(self) -> int:
-    """Pairs of the pending document already emitted (0 when nothing is pending)."""
+    """Pairs of the pending document already emitted (0 when nothing is pending, and for a group)."""
     return self._offset
 
   def reset(self) -> None:
-    self._pending, self._offset, self._exhausted = None, 0, False
+    self._pending, self._grouped, self._offset, self._exhausted = None, False, 0, False
 
-  def restore(self, tokens: Sequence[int] | np.ndarray, offset: int) -> None:
-    """Makes `tokens` the pending document with its first `offset` pairs already emitted."""
+  def _hold(self, item: Item) -> bool:
+    """Makes `item` the pending one; False when it has nothing to predict."""
+    self._grouped = isinstance(item, Group)
+    pending = _group_pairs(item, self.seq_len) if self._grouped else [document_pairs(item)]
+    if not pending or not len(pending[0][0]):
+      return False
+    self._pending, self._offset = pending, 0
+    return True
+
+  def restore(self, item: Item, offset: int) -> None:
+    """Makes `item` pending with its first `offset` pairs already emitted."""
     self.reset()
-    inputs, targets = document_pairs(tokens)
-    if not 0 <= offset < max(len(inputs), 1):
-      raise ValueError(f"offset {offset} out of range for a document of {len(inputs)} pairs")
-    if len(inputs):
-      self._pending, self._offset = (inputs, targets), offset
+    if self._hold(item) and not 0 <= offset < (1 if self._grouped else len(self._pending[0][0])):
+      raise ValueError(f"offset {offset} out of range for a document of {len(self._pending[0][0])} pairs")
+    if self._pending is not None:
+      self._offset = offset
 
-  def next_row(self, pull: Callable[[], Sequence[int] | np.ndarray | None]) -> dict[str, np.ndarray] | None:
+  def _place(self, row: dict[str, np.ndarray], filled: int, segment: int, pairs: _Pairs, start: int, take: int) -> None:
+    inputs, targets, learned = pairs
+    span = slice(filled, filled + take)
+    row["inputs"][span] = inputs[start : start + take]
+    row["targets"][span] = targets[start : start + take]
+    row["inputs_position"][span] = np.arange(take, dtype=np.int32)
+    row["inputs_segmentation"][span] = segment
+    row["targets_segmentation"][span] = segment * learned[start : start + take]
+
+  def next_row(self, pull: Callable[[], Item | None]) -> dict[str, np.ndarray] | None:
     """The next full row; a padded last row at the end of the stream; None once nothing is left."""
     row = empty_row(self.seq_len)
     filled, segment = 0, 0
@@ -86,34 +142,36 @@ class StreamingPacker:
       if self._pending is None:
         if self._exhausted:
           break
-        tokens = pull()
-        if tokens is None:
+        item = pull()
+        if item is None:
           self._exhausted = True
           break
-        inputs, targets = document_pairs(tokens)
-        if not len(inputs):
+        if not self._hold(item):
           continue  # fewer than 2 tokens: nothing to predict
-        self._pending, self._offset = (inputs, targets), 0
-      inputs, targets = self._pending
-      take = min(len(inputs) - self._offset, self.seq_len - filled)
+      if self._grouped:
+        if sum(len(p[0]) for p in self._pending) > self.seq_len - filled:
+          break  # the group opens the next row
+        for pairs in self._pending:
+          segment += 1
+          self._place(row, filled, segment, pairs, 0, len(pairs[0]))
+          filled += len(pairs[0])
+        self._pending = None
+        continue
+      pairs = self._pending[0]
+      take = min(len(pairs[0]) - self._offset, self.seq_len - filled)
       segment += 1
-      span = slice(filled, filled + take)
-      row["inputs"][span] = inputs[self._offset : self._offset + take]
-      row["targets"][span] = targets[self._offset : self._offset + take]
-      row["inputs_position"][span] = np.arange(take, dtype=np.int32)
-      row["inputs_segmentation"][span] = segment
+      self._place(row, filled, segment, pairs, self._offset, take)
       filled += take
       self._offset += take
-      if self._offset == len(inputs):
+      if self._offset == len(pairs[0]):
         self._pending, self._offset = None, 0
     if filled == 0:
       return None
-    row["targets_segmentation"][:] = row["inputs_segmentation"]
     return row
 
 
-def pack_documents(documents: Iterable[Sequence[int] | np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-  """Packs a finite list of token lists into int32 arrays [rows, seq_len] (see module docstring)."""
+def pack_documents(documents: Iterable[Item], seq_len: int) -> dict[str, np.ndarray]:
+  """Packs a finite list of documents and groups into int32 arrays [rows, seq_len] (see module docstring)."""
   it = iter(documents)
   packer = StreamingPacker(seq_len)
   rows = []

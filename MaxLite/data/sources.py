@@ -22,7 +22,7 @@ import contextlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,7 +57,47 @@ def open_source(files: str, file_type: str = "arrayrecord", text_column: str = "
   if not text_column:
     raise ConfigError(f"grain_text_column is empty; name the {file_type} column/field that holds the text")
   found = storage.expand_globs(files, _WHAT)
-  return ParquetSource(found, text_column) if file_type == "parquet" else JsonlSource(found, text_column)
+  return ParquetSource(found, [text_column]) if file_type == "parquet" else JsonlSource(found, text_column)
+
+
+def open_records(files: str, file_type: str, columns: Sequence[str]) -> DocumentSource:
+  """Records of several columns (conversations, preference pairs): item i is {column: value} of record i. JSONL
+  objects and Parquet rows hold the columns as fields; an ArrayRecord record is one JSON object."""
+  if file_type not in FILE_TYPES:
+    raise ConfigError(f"grain_file_type={file_type!r} is not one of: {', '.join(repr(t) for t in FILE_TYPES)}")
+  if file_type == "arrayrecord":
+    return RecordSource(ArrayRecordSource(resolve_files(files)), columns)
+  found = storage.expand_globs(files, _WHAT)
+  if file_type == "parquet":
+    return ParquetSource(found, list(columns), text=False)
+  return RecordSource(JsonlSource(found, None), columns)
+
+
+class RecordSource:
+  """The named fields of the JSON objects another source gives (JSONL objects, or ArrayRecord records of JSON)."""
+
+  def __init__(self, source: Any, columns: Sequence[str]):
+    self._source, self._columns = source, tuple(columns)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    record = self._source[index]
+    if isinstance(record, bytes):
+      try:
+        record = json.loads(record.decode("utf-8"))
+      except ValueError:
+        record = None
+      if not isinstance(record, dict):
+        raise InputError(f"data files: record {index} is not a JSON object (train_data_columns needs one per record)")
+    missing = [c for c in self._columns if c not in record]
+    if missing:
+      raise InputError(
+        f"data files: record {index} has no field {missing[0]!r} (train_data_columns); its fields: "
+        f"{', '.join(list(record)[:20])}"
+      )
+    return {c: record[c] for c in self._columns}
 
 
 def _locate(ends: np.ndarray, index: int) -> tuple[int, int]:
@@ -122,8 +162,8 @@ def _parquet_file(path: str, metadata: Any = None) -> Iterator[Any]:
     yield stack.enter_context(pq.ParquetFile(source, metadata=metadata))
 
 
-def _parquet_metadata(path: str, column: str) -> Any:
-  """The footer of a Parquet file whose `column` holds strings; InputError naming the file otherwise."""
+def _parquet_metadata(path: str, columns: Sequence[str], text: bool) -> Any:
+  """The footer of a Parquet file that has `columns` (strings when `text`); InputError naming the file otherwise."""
   import pyarrow as pa
 
   try:
@@ -134,20 +174,23 @@ def _parquet_metadata(path: str, column: str) -> Any:
   except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
     raise InputError(f"data files: not a readable Parquet file: {path} ({first_line(e)})") from None
   names = ", ".join(schema.names[:20]) + (", ..." if len(schema.names) > 20 else "")
-  if column not in schema.names:
-    raise InputError(f"grain_text_column={column!r}: {path} has no such column; its columns: {names}")
-  kind = schema.field(column).type
-  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-    raise InputError(f"grain_text_column={column!r} in {path} has type {kind}, not string; its columns: {names}")
+  key = "grain_text_column" if text else "train_data_columns"
+  for column in columns:
+    if column not in schema.names:
+      raise InputError(f"{key}={column!r}: {path} has no such column; its columns: {names}")
+  kind = schema.field(columns[0]).type
+  if text and not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+    raise InputError(f"{key}={columns[0]!r} in {path} has type {kind}, not string; its columns: {names}")
   return metadata
 
 
 class ParquetSource:
-  """Rows of the string column `column` of Parquet files (see module docstring)."""
+  """Rows of Parquet files (see module docstring): the string of column `columns[0]` when `text`, else a dict of
+  the `columns`."""
 
-  def __init__(self, files: list[str], column: str):
-    self._column = column
-    self._files = [(path, _parquet_metadata(path, column)) for path in files]
+  def __init__(self, files: list[str], columns: list[str], text: bool = True):
+    self._columns, self._text = columns, text
+    self._files = [(path, _parquet_metadata(path, columns, text)) for path in files]
     # Row groups with rows, in file order: (file number, row group in it); _ends counts rows up to each.
     self._groups, sizes = [], []
     for number, (_, metadata) in enumerate(self._files):
@@ -181,7 +224,7 @@ class ParquetSource:
     path, metadata = self._files[file]
     try:  # outside the lock: pyarrow decodes without the GIL, so threads decode different groups at once
       with _parquet_file(path, metadata) as f:
-        column = f.read_row_group(group, columns=[self._column]).column(0).combine_chunks()
+        column = f.read_row_group(group, columns=self._columns).combine_chunks()
     except InputError:
       raise
     except Exception as e:
@@ -192,14 +235,17 @@ class ParquetSource:
         self._cache.popitem(last=False)
     return column
 
-  def __getitem__(self, index: int) -> str:
+  def __getitem__(self, index: int) -> str | dict[str, Any]:
     number, row = _locate(self._ends, index)
-    text = self._group(number)[row].as_py()
+    table = self._group(number)
+    if not self._text:
+      return {c: table.column(c)[row].as_py() for c in self._columns}
+    text = table.column(0)[row].as_py()
     if text is None:
       file, group = self._groups[number]
       path, metadata = self._files[file]
       row += sum(metadata.row_group(g).num_rows for g in range(group))
-      raise InputError(f"data files: {path} row {row}: {self._column!r} (grain_text_column) is null, not a string")
+      raise InputError(f"data files: {path} row {row}: {self._columns[0]!r} (grain_text_column) is null, not a string")
     return text
 
 
@@ -247,9 +293,10 @@ def _line_number(path: str, offset: int) -> int:
 
 
 class JsonlSource:
-  """The string field `field` of the JSON object on each non-blank line of JSONL files (see module docstring)."""
+  """The string field `field` of the JSON object on each non-blank line of JSONL files (see module docstring), or
+  the whole object when `field` is None."""
 
-  def __init__(self, files: list[str], field: str):
+  def __init__(self, files: list[str], field: str | None):
     self._files, self._field = files, field
     self._spans = []
     for path in files:
@@ -269,7 +316,7 @@ class JsonlSource:
   def __len__(self) -> int:
     return int(self._ends[-1]) if len(self._ends) else 0
 
-  def __getitem__(self, index: int) -> str:
+  def __getitem__(self, index: int) -> str | dict[str, Any]:
     file, line = _locate(self._ends, index)
     path = self._files[file]
     start, stop = (int(s[line]) for s in self._spans[file])
@@ -285,6 +332,8 @@ class JsonlSource:
       obj = None
     if not isinstance(obj, dict):
       raise InputError(f"data files: {path}:{_line_number(path, start)}: not a JSON object")
+    if self._field is None:
+      return obj
     text = obj.get(self._field)
     if not isinstance(text, str):
       keys = ", ".join(list(obj)[:20])

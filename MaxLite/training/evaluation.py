@@ -1,4 +1,5 @@
-"""Eval loss during training: every eval_interval steps, the mean loss per real token over eval_steps batches.
+"""Eval loss during training: every eval_interval steps, the mean loss per real token over eval_steps batches
+(DPO: the mean loss and rewards per preference pair).
 
 With eval off (eval_interval=0, or no eval files) the loop gets a NoEvaluator, which never evaluates.
 """
@@ -13,14 +14,26 @@ from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding as sharding_lib
+from MaxLite.training.dpo import REWARD_METRICS
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.train_step import jit_eval_step
 
 
-def evaluate(config: Config, mesh: jax.sharding.Mesh, eval_fn: Any, params: Any, batches: Any = None) -> float:
-  """Mean loss per real token over the first eval_steps eval batches. `batches`, the run's eval iterator,
-  is rewound and reused; without it a new one is made and closed."""
-  totals = {"xent_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
+def eval_metrics(totals: dict[str, float], use_dpo: bool) -> dict[str, float]:
+  """The logged eval metrics from the sums over every eval batch: cross-entropy per token (without z-loss), or DPO's
+  loss and TRL's rewards per pair."""
+  if use_dpo:
+    pairs = max(totals["pairs"], 1.0)
+    return {"eval_loss": totals["dpo_loss_sum"] / pairs} | {f"eval_{k}": totals[k] / pairs for k in REWARD_METRICS}
+  return {"eval_loss": totals["xent_sum"] / max(totals["tokens"], 1.0)}
+
+
+def evaluate(
+  config: Config, mesh: jax.sharding.Mesh, eval_fn: Any, params: Any, batches: Any = None, reference: Any = None
+) -> dict[str, float]:
+  """eval_metrics over the first eval_steps eval batches. `batches`, the run's eval iterator, is rewound and reused;
+  without it a new one is made and closed. `reference`: DPO's frozen reference parameters."""
+  totals: dict[str, float] = {}
   own = batches is None
   if own:
     batches = input_pipeline.make_iterator(config, mesh, "eval")
@@ -28,18 +41,18 @@ def evaluate(config: Config, mesh: jax.sharding.Mesh, eval_fn: Any, params: Any,
     batches.rewind()
   try:
     for _ in range(config.eval_steps):
-      aux = jax.device_get(eval_fn(params, next(batches)))
-      for k in totals:
-        totals[k] += float(aux[k])
+      args = (params, next(batches)) + ((reference,) if config.use_dpo else ())
+      for k, v in jax.device_get(eval_fn(*args)).items():
+        totals[k] = totals.get(k, 0.0) + float(v)
   finally:
     if own:
       batches.close()
-  return totals["xent_sum"] / max(totals["tokens"], 1.0)
+  return eval_metrics(totals, config.use_dpo)
 
 
 class NoEvaluator:
-  def maybe_eval(self, step: int, params: Any, log: StepLog) -> None:
-    del step, params, log
+  def maybe_eval(self, step: int, state: Any, log: StepLog) -> None:
+    del step, state, log
 
   def __enter__(self) -> NoEvaluator:
     return self
@@ -58,11 +71,12 @@ class Evaluator:
     )
     self._batches = input_pipeline.make_iterator(config, mesh, "eval")
 
-  def maybe_eval(self, step: int, params: Any, log: StepLog) -> None:
+  def maybe_eval(self, step: int, state: Any, log: StepLog) -> None:
     if step % self._config.eval_interval != 0:
       return
     log.flush()  # the step's own row comes before its eval row
-    log.record_eval(step, evaluate(self._config, self._mesh, self._eval_fn, params, self._batches))
+    metrics = evaluate(self._config, self._mesh, self._eval_fn, state.params, self._batches, state.reference)
+    log.record_eval(step, metrics)
 
   def __enter__(self) -> Evaluator:
     return self

@@ -18,14 +18,19 @@ import jax.numpy as jnp
 LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
 
+def target_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(log-probability of each target, log Z), in float32."""
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z, log_z
+
+
 def loss_sums(
   logits: jax.Array, targets: jax.Array, mask: jax.Array, z_loss_multiplier: float
 ) -> tuple[jax.Array, jax.Array]:
   """(summed cross-entropy, summed z-loss) over the tokens where mask is 1; one log-sum-exp serves both."""
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum((log_z - target_logit) * mask), jnp.sum(z_loss_multiplier * jnp.square(log_z) * mask)
+  log_p, log_z = target_log_probs(logits, targets)
+  return jnp.sum(-log_p * mask), jnp.sum(z_loss_multiplier * jnp.square(log_z) * mask)
 
 
 def tiled_loss_sums(

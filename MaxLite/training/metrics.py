@@ -15,6 +15,7 @@ from MaxLite import storage
 from MaxLite.cli.errors import MaxLiteError
 from MaxLite.config import Config
 from MaxLite.training import flops
+from MaxLite.training.dpo import REWARD_METRICS
 
 
 class NonFiniteLossError(MaxLiteError):
@@ -103,6 +104,8 @@ def log_line(row: dict[str, Any]) -> str:
   ]
   if "mfu" in row:
     parts.append(f"MFU {100 * row['mfu']:.1f}%")
+  if "rewards/accuracies" in row:
+    parts.append(f"rewards/accuracies {row['rewards/accuracies']:.3f} margins {row['rewards/margins']:.3f}")
   if "moe_lb_loss" in row:
     parts.append(f"moe_lb_loss {row['moe_lb_loss']:.4f} dropped {100 * row['moe_dropped_fraction']:.1f}%")
   return " | ".join(parts)
@@ -127,8 +130,11 @@ def metrics_row(
     "tokens_per_s": config.global_batch_size_to_train_on * config.max_target_length / step_time,
     "tflops_per_device": tflops,
   }
-  if config.z_loss_multiplier:
+  if config.z_loss_multiplier and "z_loss" in values:
     row["z_loss"] = values["z_loss"]
+  if config.use_sft or config.use_dpo:
+    row["trained_tokens"] = values["tokens"]  # tokens the loss covers (SFT: the completions; DPO: the responses)
+  row.update({k: values[k] for k in (*REWARD_METRICS, "pairs") if k in values})
   row.update({k: values[k] for k in ("moe_lb_loss", "moe_dropped_fraction") if k in values})
   if config.peak_tflops_per_device > 0:
     row["mfu"] = tflops / config.peak_tflops_per_device
@@ -164,9 +170,9 @@ class StepLog:
       self._writer.write(row)
     self.rows.append(row)
 
-  def record_eval(self, step: int, eval_loss: float) -> None:
-    logging.info(f"step {step:>6d} | eval_loss {eval_loss:.4f}")
-    row = {"step": step, "eval_loss": eval_loss}
+  def record_eval(self, step: int, metrics: dict[str, float]) -> None:
+    logging.info(" | ".join([f"step {step:>6d}"] + [f"{k} {v:.4f}" for k, v in metrics.items()]))
+    row = {"step": step, **metrics}
     self._writer.write(row)
     self.rows.append(row)
     self._clock = time.perf_counter()  # the eval's time is not the next step's

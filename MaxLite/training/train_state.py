@@ -15,7 +15,12 @@ from jax.sharding import Mesh
 from MaxLite.config import Config
 from MaxLite.parallel.sharding import logical_to_sharding, unbox
 
-TrainState = train_state.TrainState
+
+class TrainState(train_state.TrainState):
+  """flax's train state, plus the frozen reference parameters of DPO (None otherwise). The reference is sharded like
+  the parameters and saved with them, so a resumed DPO run needs nothing but its checkpoint."""
+
+  reference: Any = None
 
 
 def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
@@ -24,14 +29,14 @@ def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Conf
   shape = (config.micro_batch_size, config.max_target_length)
   ids = jax.ShapeDtypeStruct(shape, jnp.int32)
   variables = model.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)
-  return _new_state(model, tx, variables["params"])
+  return _new_state(model, tx, config, variables["params"])
 
 
-def _new_state(model: nn.Module, tx: optax.GradientTransformation, params: Any) -> TrainState:
+def _new_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, params: Any) -> TrainState:
   # A strongly typed step (TrainState.create's is a weakly typed Python 0) keeps the train step's
   # input types the same whether the state was just created or restored from a checkpoint, so both
   # runs execute one identical compiled program and resume bit for bit.
-  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, reference=params if config.use_dpo else None)
   return state.replace(step=jnp.zeros((), jnp.int32))
 
 
@@ -53,9 +58,11 @@ def create_train_state(
   return unbox(init(jax.random.key(config.init_weights_seed)))
 
 
-def state_from_params(model: nn.Module, tx: optax.GradientTransformation, params: Any, shardings: Any) -> TrainState:
-  """Step 0 with a fresh optimizer around given params (e.g. loaded for fine-tuning)."""
-  return jax.jit(functools.partial(_new_state, model, tx), out_shardings=shardings)(params)
+def state_from_params(
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, params: Any, shardings: Any
+) -> TrainState:
+  """Step 0 with a fresh optimizer around given params (e.g. loaded for fine-tuning; with DPO also the reference)."""
+  return jax.jit(functools.partial(_new_state, model, tx, config), out_shardings=shardings)(params)
 
 
 def bytes_per_device(tree: Any) -> int:

@@ -12,26 +12,23 @@ import optax
 from MaxLite.config import Config
 from MaxLite.layers.decoder import logits_dtype
 from MaxLite.parallel.sharding import on_device
-from MaxLite.training import loss
+from MaxLite.training import dpo, loss
 from MaxLite.training.optimizer import learning_rate_schedule
 from MaxLite.training.train_state import TrainState
 
 Batch = dict[str, jax.Array]
 
 
-def batch_loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
-  """(total, sums): the model's losses on `batch` summed (not averaged) over real tokens, so microbatches add up to
-  the full batch exactly; `total` (also sums["loss_sum"]) is what the gradient is taken of."""
+def batch_loss_sums(
+  params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config, reference: Any = None
+) -> tuple:
+  """(total, sums): the model's losses on `batch` summed (not averaged) over real tokens (DPO: over pairs, with
+  `reference` the frozen reference parameters), so microbatches add up to the full batch exactly. `total` (also
+  sums["loss_sum"]) is what the gradient is taken of; sums["count"] is what it is a sum over."""
+  if config.use_dpo:
+    return _dpo_loss_sums(params, reference, apply_fn, batch, rng, config)
   tiled = config.num_vocab_tiling > 1
-  out, extra = apply_fn(
-    {"params": params},
-    batch["inputs"],
-    batch["inputs_position"],
-    batch["inputs_segmentation"],
-    return_hidden=tiled,
-    rngs={"dropout": rng},
-    mutable="intermediates",
-  )
+  out, extra = _forward(params, apply_fn, batch, rng, return_hidden=tiled)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   if tiled:
     hidden, head = out
@@ -41,12 +38,41 @@ def batch_loss_sums(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, co
   else:
     xent_sum, z_sum = loss.loss_sums(out, batch["targets"], mask, config.z_loss_multiplier)
   tokens = jnp.sum(mask)
-  sums = {"xent_sum": xent_sum, "z_sum": z_sum, "tokens": tokens}
+  sums = {"xent_sum": xent_sum, "z_sum": z_sum, "tokens": tokens, "count": tokens}
   if "moe" in extra.get("intermediates", {}):
     moe = extra["intermediates"]["moe"][0]
     # Token-weighted like the other terms, so gradient accumulation and sharding leave it unchanged.
     sums.update(moe_lb_sum=moe["lb_loss"] * tokens, moe_dropped=moe["dropped"], moe_routed=moe["routed"])
   sums["loss_sum"] = sums["xent_sum"] + sums["z_sum"] + config.load_balance_loss_weight * sums.get("moe_lb_sum", 0.0)
+  return sums["loss_sum"], sums
+
+
+def _forward(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, return_hidden: bool = False) -> tuple:
+  return apply_fn(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_position"],
+    batch["inputs_segmentation"],
+    return_hidden=return_hidden,
+    rngs={"dropout": rng},
+    mutable="intermediates",
+  )
+
+
+def _dpo_loss_sums(params: Any, reference: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
+  """DPO's loss and metrics summed over the batch's preference pairs (training/dpo.py)."""
+
+  def responses(p: Any) -> tuple[jax.Array, ...]:
+    logits, _ = _forward(p, apply_fn, batch, rng)
+    log_p, _ = loss.target_log_probs(logits, batch["targets"])
+    return dpo.response_log_probs(log_p, batch["targets_segmentation"])
+
+  chosen, rejected, valid = responses(params)
+  ref_chosen, ref_rejected, _ = responses(jax.lax.stop_gradient(reference))
+  sums = dpo.dpo_sums(
+    (chosen, rejected), (ref_chosen, ref_rejected), valid, config.dpo_beta, config.dpo_label_smoothing
+  )
+  sums.update(loss_sum=sums["dpo_loss_sum"], count=sums["pairs"], tokens=jnp.sum(batch["targets_segmentation"] != 0))
   return sums["loss_sum"], sums
 
 
@@ -56,22 +82,23 @@ def _microbatches(batch: Batch, n: int) -> Batch:
 
 
 def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) -> tuple[Any, dict]:
-  grad_fn = jax.value_and_grad(batch_loss_sums, has_aux=True)
+  def grad_fn(micro: Batch, micro_rng: jax.Array) -> tuple:
+    loss_fn = functools.partial(batch_loss_sums, config=config, reference=state.reference)
+    return jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.apply_fn, micro, micro_rng)
+
   n = config.gradient_accumulation_steps
   if n == 1:
-    (_, aux), grads = grad_fn(state.params, state.apply_fn, batch, rng, config)
+    (_, aux), grads = grad_fn(batch, rng)
     return grads, aux
 
   def accumulate(carry, micro):
     grads_acc, aux_acc, i = carry
-    (_, aux), grads = grad_fn(state.params, state.apply_fn, micro, jax.random.fold_in(rng, i), config)
+    (_, aux), grads = grad_fn(micro, jax.random.fold_in(rng, i))
     return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, aux_acc, aux), i + 1), None
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   micros = _microbatches(batch, n)
-  aux_shape = jax.eval_shape(
-    lambda: grad_fn(state.params, state.apply_fn, jax.tree.map(lambda v: v[0], micros), rng, config)[0][1]
-  )
+  aux_shape = jax.eval_shape(lambda: grad_fn(jax.tree.map(lambda v: v[0], micros), rng)[0][1])
   aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
   (grads, aux, _), _ = jax.lax.scan(accumulate, (zeros, aux0, 0), micros)
   return grads, aux
@@ -85,27 +112,34 @@ def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: An
     )
   rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
   grads, aux = _gradients(state, batch, rng, config)
-  tokens = jnp.maximum(aux["tokens"], 1.0)
-  grads = jax.tree.map(lambda g: g / tokens.astype(g.dtype), grads)
+  count = jnp.maximum(aux["count"], 1.0)  # tokens, or DPO's pairs
+  grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
   grad_norm = optax.global_norm(grads)
   new_state = state.apply_gradients(grads=grads)
   metrics = {
-    "loss": aux["loss_sum"] / tokens,
-    "z_loss": aux["z_sum"] / tokens,
+    "loss": aux["loss_sum"] / count,
     "grad_norm": grad_norm,
     "learning_rate": learning_rate_schedule(config)(state.step),
     "tokens": aux["tokens"],
   }
+  if config.use_dpo:
+    metrics.update({k: aux[k] / count for k in dpo.REWARD_METRICS}, pairs=aux["pairs"])
+  else:
+    metrics["z_loss"] = aux["z_sum"] / count
   if "moe_lb_sum" in aux:
-    metrics["moe_lb_loss"] = aux["moe_lb_sum"] / tokens
+    metrics["moe_lb_loss"] = aux["moe_lb_sum"] / count
     metrics["moe_dropped_fraction"] = aux["moe_dropped"] / jnp.maximum(aux["moe_routed"], 1.0)
   return new_state, metrics
 
 
-def eval_step(params: Any, batch: Batch, *, apply_fn: Any, config: Config, shardings: Any = None) -> dict:
+def eval_step(
+  params: Any, batch: Batch, reference: Any = None, *, apply_fn: Any, config: Config, shardings: Any = None
+) -> dict:
+  """The loss sums of one eval batch; `reference` only with use_dpo."""
   if shardings is not None:
     params = on_device(params, shardings)
-  _, aux = batch_loss_sums(params, apply_fn, batch, jax.random.key(0), config)
+    reference = None if reference is None else on_device(reference, shardings)
+  _, aux = batch_loss_sums(params, apply_fn, batch, jax.random.key(0), config, reference)
   return aux
 
 
@@ -145,6 +179,7 @@ def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, re
 def jit_eval_step(config: Config, apply_fn: Any, param_shardings: Any, batch_sharding: Any, replicated: Any):
   return jax.jit(
     functools.partial(eval_step, apply_fn=apply_fn, config=config, shardings=param_shardings),
-    in_shardings=(param_shardings, batch_sharding),
+    # DPO's frozen reference is a third argument, sharded like the parameters.
+    in_shardings=(param_shardings, batch_sharding) + ((param_shardings,) if config.use_dpo else ()),
     out_shardings=replicated,
   )

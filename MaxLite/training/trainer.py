@@ -60,7 +60,7 @@ def initial_state(
   if config.load_parameters_path:
     params = checkpointing.load_params(config.load_parameters_path, target.params)
     logging.info("loaded parameters from %s (fresh optimizer, step 0)", config.load_parameters_path)
-    return state_from_params(model, tx, params, shardings), shardings, 0
+    return state_from_params(model, tx, config, params, shardings), shardings, 0
   return create_train_state(model, tx, config, shardings), shardings, 0
 
 
@@ -105,6 +105,6 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any) -> list[
       log.record(step, metrics)
       if checkpointer.maybe_save(step, state, batches, log):
         break  # preempted, and saved
-      evaluator.maybe_eval(step, state.params, log)
+      evaluator.maybe_eval(step, state, log)
     log.flush()
   return log.rows

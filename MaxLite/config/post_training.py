@@ -1,0 +1,74 @@
+"""The post-training keys (MaxText's): use_sft, use_dpo and what their data needs. Pure checks on the raw dict.
+
+`data_kind(columns)` tells the input pipeline what a record is: "text" (pretraining documents), "chat" (a `messages`
+list), "prompt_completion" or "preference" (chosen/rejected, optionally with a shared prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config.choices import DPO_COLUMNS, SFT_COLUMNS
+
+
+def _columns(c: dict[str, Any], key: str, allowed: tuple[tuple[str, ...], ...], what: str) -> tuple[str, ...]:
+  columns = tuple(c[key]) or allowed[0]
+  if columns not in allowed:
+    shown = " or ".join(str(list(a)) for a in allowed)
+    raise ConfigError(f"{key}={list(c[key])} does not fit {what}; use {shown}")
+  return columns
+
+
+def data_kind(columns: tuple[str, ...] | list[str]) -> str:
+  """What a record of these columns is (module docstring)."""
+  columns = tuple(columns)
+  if len(columns) == 1 and columns != ("messages",):
+    return "text"
+  if columns == ("messages",):
+    return "chat"
+  if columns == ("prompt", "completion"):
+    return "prompt_completion"
+  return "preference"
+
+
+def derive(c: dict[str, Any]) -> dict[str, Any]:
+  """train_data_columns / eval_data_columns with their defaults filled in, and data_kind; ConfigError (one line)
+  for a combination that cannot run."""
+  if c["use_sft"] and c["use_dpo"]:
+    raise ConfigError("use_sft=true and use_dpo=true: choose one (SFT first, then DPO from its checkpoint)")
+  if not (c["use_sft"] or c["use_dpo"]):
+    for key in ("train_data_columns", "eval_data_columns"):
+      if len(c[key]) > 1:
+        raise ConfigError(f"{key}={list(c[key])}: pretraining reads one text column; set use_sft or use_dpo")
+    for key in ("use_chat_template", "sft_train_on_completion_only"):
+      if c[key]:
+        raise ConfigError(f"{key}=true needs use_sft=true or use_dpo=true (pretraining reads plain text)")
+    text = (c["train_data_columns"] or [c["grain_text_column"]])[0]
+    evaluation = list(c["eval_data_columns"] or [text])
+    return {"train_data_columns": [text], "eval_data_columns": evaluation, "data_kind": "text"}
+  if c["dataset_type"] != "grain":
+    raise ConfigError("use_sft/use_dpo read records from files: set dataset_type=grain (with grain_train_files)")
+  allowed, what = (SFT_COLUMNS, "use_sft") if c["use_sft"] else (DPO_COLUMNS, "use_dpo")
+  train = _columns(c, "train_data_columns", allowed, what)
+  c_eval = dict(c, eval_data_columns=c["eval_data_columns"] or list(train))
+  evaluation = _columns(c_eval, "eval_data_columns", allowed, what)
+  if c["use_chat_template"] and c["tokenizer_type"] != "huggingface":
+    raise ConfigError(
+      f"use_chat_template=true needs tokenizer_type=huggingface (a tokenizer.json directory with its chat template), "
+      f"got {c['tokenizer_type']!r}"
+    )
+  if ("messages",) in (train, evaluation) and not c["use_chat_template"]:
+    raise ConfigError("train_data_columns=['messages'] needs use_chat_template=true (a chat is rendered by a template)")
+  if c["use_dpo"]:
+    if not (c["load_parameters_path"] or c["load_full_state_path"]):
+      raise ConfigError(
+        "use_dpo=true needs load_parameters_path: its parameters are the frozen reference model and the start"
+      )
+    if c["num_vocab_tiling"] > 1:
+      raise ConfigError("use_dpo=true needs num_vocab_tiling=1 (DPO sums log-probabilities per response)")
+    if not 0.0 <= c["dpo_label_smoothing"] < 0.5:
+      raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {c['dpo_label_smoothing']}")
+    if c["dpo_beta"] <= 0:
+      raise ConfigError(f"dpo_beta must be positive, got {c['dpo_beta']}")
+  return {"train_data_columns": list(train), "eval_data_columns": list(evaluation), "data_kind": data_kind(train)}

@@ -1,0 +1,62 @@
+"""Direct preference optimisation (Rafailov et al. 2023): the loss and TRL's reward metrics, summed over pairs.
+
+A DPO batch row holds whole preference pairs (data/packing.py): pair p of a row is segment 2p+1 (the prompt and the
+chosen response) followed by segment 2p+2 (the prompt and the rejected one). targets_segmentation is the segment id on
+response tokens and 0 elsewhere, so a response's log-probability is the sum of its tokens' log-probabilities over the
+positions of its segment id, and the prompt never counts.
+
+With label smoothing eps (the paper's conservative DPO, cDPO: each label is wrong with probability eps)
+
+    loss = -(1 - eps) log sigma(beta * delta) - eps log sigma(-beta * delta),
+    delta = (log pi(chosen) - log pi_ref(chosen)) - (log pi(rejected) - log pi_ref(rejected)).
+
+Everything is a sum over the pairs of the batch (as the pretraining loss is over tokens), so microbatches and shards
+add up exactly; the step divides by the number of pairs. The implicit rewards are beta * (log pi - log pi_ref).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# TRL's names for the implicit-reward metrics (each a sum over pairs in dpo_sums; a mean per pair when logged).
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def response_log_probs(token_log_probs: jax.Array, target_segments: jax.Array) -> tuple[jax.Array, ...]:
+  """(chosen, rejected, valid), each [batch, pairs]: the summed log-probabilities of each pair's responses, and 1.0
+  for pairs with at least one response token on both sides. pairs = seq_len // 2 bounds the pairs of a row."""
+  num_pairs = max(target_segments.shape[1] // 2, 1)
+  # Segment k >= 1 is response k-1 of the row: pair (k-1)//2, chosen when k is odd. Slot 2 * num_pairs takes padding.
+  index = jnp.where(target_segments > 0, target_segments - 1, 2 * num_pairs)
+
+  def per_row(values: jax.Array, ids: jax.Array) -> jax.Array:
+    return jax.ops.segment_sum(values, ids, num_segments=2 * num_pairs + 1)[:-1].reshape(num_pairs, 2)
+
+  sums = jax.vmap(per_row)(token_log_probs, index)
+  counts = jax.vmap(per_row)((target_segments > 0).astype(jnp.float32), index)
+  valid = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
+  return sums[..., 0], sums[..., 1], valid
+
+
+def dpo_sums(
+  policy: tuple[jax.Array, jax.Array],
+  reference: tuple[jax.Array, jax.Array],
+  valid: jax.Array,
+  beta: float,
+  label_smoothing: float,
+) -> dict[str, jax.Array]:
+  """The loss and TRL's metrics summed over valid pairs, from (chosen, rejected) log-probabilities of the policy and
+  the frozen reference; "pairs" counts them. rewards/accuracies counts pairs whose chosen reward is strictly higher."""
+  chosen_reward = beta * (policy[0] - reference[0])
+  rejected_reward = beta * (policy[1] - reference[1])
+  logits = chosen_reward - rejected_reward
+  losses = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(logits) - label_smoothing * jax.nn.log_sigmoid(-logits)
+  return {
+    "dpo_loss_sum": jnp.sum(losses * valid),
+    "rewards/chosen": jnp.sum(chosen_reward * valid),
+    "rewards/rejected": jnp.sum(rejected_reward * valid),
+    "rewards/accuracies": jnp.sum((chosen_reward > rejected_reward) * valid),
+    "rewards/margins": jnp.sum(logits * valid),
+    "pairs": jnp.sum(valid),
+  }

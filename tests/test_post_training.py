@@ -1,0 +1,232 @@
+"""SFT and DPO math against transformers and torch on a tiny Llama built by transformers; records -> masked, packed
+rows; the post-training keys' one-line errors."""
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, make_config
+from test_hf_interop import hf_model, maxlite_config, maxlite_params
+
+from MaxLite.checkpoint import hf as convert_hf
+from MaxLite.checkpoint.hf_layout import global_tensors, layer_tensors
+from MaxLite.cli.errors import ConfigError
+from MaxLite.data.packing import Group, Masked, pack_documents
+from MaxLite.data.records import EncodeRecord
+from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.layers.decoder import Transformer
+from MaxLite.training import dpo
+from MaxLite.training.train_step import batch_loss_sums
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SEQ = 48
+SENTENCEPIECE = f"{REPO}/assets/tokenizer/maxlite_sp8k.model"
+
+
+def _random_documents(rng, vocab, count, prompt=(3, 9), response=(2, 8)):
+  """(prompt ids, response ids) pairs."""
+  out = []
+  for _ in range(count):
+    p, r = rng.integers(*prompt), rng.integers(*response)
+    out.append((rng.integers(1, vocab, p).tolist(), rng.integers(1, vocab, r).tolist()))
+  return out
+
+
+def _masked(prompt, response):
+  return Masked(np.asarray(prompt + response), np.asarray([0] * len(prompt) + [1] * len(response)))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+  """A tiny transformers Llama (the policy) and a perturbed copy (the reference), with both converted to MaxLite."""
+  tmp = tmp_path_factory.mktemp("models")
+  policy, path = hf_model(tmp, "policy")
+  reference = transformers.LlamaForCausalLM(policy.config).eval()
+  reference.load_state_dict(policy.state_dict())
+  torch.manual_seed(1)
+  with torch.no_grad():
+    for param in reference.parameters():
+      param.add_(0.02 * torch.randn_like(param))
+  reference.save_pretrained(str(tmp / "reference"))
+  step_dir = convert_hf.to_maxlite(path, str(tmp / "ml_policy"), [])
+  ref_dir = convert_hf.to_maxlite(str(tmp / "reference"), str(tmp / "ml_reference"), [])
+  config = maxlite_config(step_dir, f"max_target_length={SEQ}")
+  return policy, reference, config, maxlite_params(config, step_dir), maxlite_params(config, ref_dir)
+
+
+def _torch_token_log_probs(model, ids):
+  """Per-position log-probability of the next token of each sequence (batch of 1 each, no padding)."""
+  out = []
+  for seq in ids:
+    x = torch.tensor([seq])
+    logp = torch.log_softmax(model(x).logits.float(), -1)[0, :-1]
+    out.append(logp.gather(-1, x[0, 1:, None])[:, 0])
+  return out
+
+
+def test_sft_loss_with_completion_mask_equals_transformers(models):
+  policy, _, config, params, _ = models
+  rng = np.random.default_rng(0)
+  conversations = _random_documents(rng, policy.config.vocab_size, 9, prompt=(3, 14), response=(2, 12))
+  batch = pack_documents([Group((_masked(p, r),)) for p, r in conversations], SEQ)
+  assert len(batch["inputs"]) >= 2 and (np.diff(batch["inputs_segmentation"], axis=1) > 0).any()  # packed rows
+  _, sums = batch_loss_sums(params, Transformer(config).apply, batch, jax.random.key(0), config)
+  ours = float(sums["loss_sum"] / sums["count"])
+  # transformers: each conversation its own padded row, prompt and padding labelled -100.
+  longest = max(len(p) + len(r) for p, r in conversations)
+  ids = np.zeros((len(conversations), longest), np.int64)
+  labels = np.full_like(ids, -100)
+  attention = np.zeros_like(ids)
+  for i, (p, r) in enumerate(conversations):
+    ids[i, : len(p) + len(r)] = p + r
+    labels[i, len(p) : len(p) + len(r)] = r
+    attention[i, : len(p) + len(r)] = 1
+  with torch.no_grad():
+    out = policy(torch.tensor(ids), attention_mask=torch.tensor(attention), labels=torch.tensor(labels))
+  print(f"SFT loss: MaxLite {ours:.8f} transformers {out.loss.item():.8f}")
+  assert float(sums["count"]) == sum(len(r) for _, r in conversations)
+  np.testing.assert_allclose(ours, out.loss.item(), rtol=1e-5)
+
+
+def _dpo_batch(rng, vocab, pairs=5):
+  docs = []
+  for prompt, chosen in _random_documents(rng, vocab, pairs):
+    rejected = rng.integers(1, vocab, rng.integers(2, 8)).tolist()
+    docs.append((prompt, chosen, rejected))
+  batch = pack_documents([Group((_masked(p, c), _masked(p, r))) for p, c, r in docs], SEQ)
+  return docs, batch
+
+
+def _torch_dpo_loss(policy, reference, docs, beta, smoothing):
+  def response_sums(model, grad):
+    with torch.set_grad_enabled(grad):
+      chosen = _torch_token_log_probs(model, [p + c for p, c, _ in docs])
+      rejected = _torch_token_log_probs(model, [p + r for p, _, r in docs])
+    # position t predicts token t+1: the response tokens are predicted from len(prompt)-1 on
+    pick = lambda logps: torch.stack([lp[len(p) - 1 :].sum() for lp, (p, _, _) in zip(logps, docs)])  # noqa: E731
+    return pick(chosen), pick(rejected)
+
+  pc, pr = response_sums(policy, True)
+  rc, rr = response_sums(reference, False)
+  logits = beta * ((pc - rc) - (pr - rr))
+  losses = -(1 - smoothing) * torch.nn.functional.logsigmoid(logits) - smoothing * torch.nn.functional.logsigmoid(
+    -logits
+  )
+  return losses.mean(), beta * (pc - rc).detach(), beta * (pr - rr).detach()
+
+
+def _hf_named(config, tree):
+  """MaxLite arrays (parameters or their gradients) under transformers' names, in transformers' layout."""
+
+  def get(path):
+    node = tree
+    for part in path.split("/"):
+      node = node[part]
+    return np.asarray(node)
+
+  named = {t.hf_name: t.to_hf(get(t.path)) for t in global_tensors(config.logits_via_embedding)}
+  for i in range(config.base_num_decoder_layers):
+    for t in layer_tensors(config):
+      named[f"model.layers.{i}.{t.hf_name}"] = t.to_hf(get(f"decoder/layers/{t.path}")[i])
+  return named
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_dpo_loss_and_gradients_equal_torch(models, smoothing):
+  policy, reference, config, params, ref_params = models
+  config = maxlite_config(
+    config.load_parameters_path, f"max_target_length={SEQ}", "use_dpo=true", f"dpo_label_smoothing={smoothing}"
+  )
+  docs, batch = _dpo_batch(np.random.default_rng(1), policy.config.vocab_size)
+  apply = Transformer(config).apply
+
+  def mean_loss(p):
+    total, sums = batch_loss_sums(p, apply, batch, jax.random.key(0), config, reference=ref_params)
+    return total / sums["count"], sums
+
+  (ours, sums), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+  policy.zero_grad()
+  theirs, chosen_rewards, rejected_rewards = _torch_dpo_loss(policy, reference, docs, config.dpo_beta, smoothing)
+  theirs.backward()
+  print(f"DPO loss (label smoothing {smoothing}): MaxLite {float(ours):.8f} torch {theirs.item():.8f}")
+  assert float(sums["pairs"]) == len(docs)
+  np.testing.assert_allclose(float(ours), theirs.item(), rtol=1e-5)
+  np.testing.assert_allclose(float(sums["rewards/chosen"]), chosen_rewards.sum().item(), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(float(sums["rewards/rejected"]), rejected_rewards.sum().item(), rtol=1e-4, atol=1e-6)
+  assert float(sums["rewards/accuracies"]) == (chosen_rewards > rejected_rewards).sum().item()
+  ours_named = _hf_named(config, grads)
+  torch_grads = {name: p.grad.numpy() for name, p in policy.named_parameters()}
+  assert set(ours_named) == set(torch_grads)
+  worst = max(np.abs(ours_named[n] - torch_grads[n]).max() / (np.abs(torch_grads[n]).max() + 1e-12) for n in ours_named)
+  print(f"largest gradient difference relative to the tensor's largest entry: {worst:.2e}")
+  for name, expected in torch_grads.items():
+    np.testing.assert_allclose(ours_named[name], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=name)
+
+
+def test_dpo_loss_is_log_2_when_policy_is_reference(models):
+  policy, _, config, params, _ = models
+  config = maxlite_config(config.load_parameters_path, f"max_target_length={SEQ}", "use_dpo=true")
+  _, batch = _dpo_batch(np.random.default_rng(2), policy.config.vocab_size, pairs=6)
+  _, sums = batch_loss_sums(params, Transformer(config).apply, batch, jax.random.key(0), config, reference=params)
+  assert float(sums["pairs"]) == 6
+  np.testing.assert_allclose(float(sums["loss_sum"]) / 6, math.log(2), rtol=1e-6)
+  assert float(sums["rewards/margins"]) == 0.0 and float(sums["rewards/accuracies"]) == 0.0
+
+
+def test_response_log_probs_per_pair():
+  """Segments 2p+1 / 2p+2 are pair p's chosen / rejected; zero segments (prompts, padding) never count; a pair
+  whose rejected side has no response token is not valid."""
+  logp = np.arange(1.0, 13.0)[None].repeat(2, 0)
+  segments = np.array([[1, 1, 0, 2, 2, 3, 0, 4, 0, 0, 0, 0], [0, 1, 1, 1, 2, 2, 0, 3, 3, 0, 0, 0]])
+  chosen, rejected, valid = (np.asarray(a) for a in dpo.response_log_probs(logp, segments))
+  np.testing.assert_array_equal(chosen[:, :2], [[1 + 2, 6], [2 + 3 + 4, 8 + 9]])
+  np.testing.assert_array_equal(rejected[:, :2], [[4 + 5, 8], [5 + 6, 0]])
+  np.testing.assert_array_equal(valid[:, :3], [[1, 1, 0], [1, 0, 0]])
+
+
+def test_records_become_masked_documents_and_whole_pairs():
+  tokenizer = load_tokenizer(SENTENCEPIECE)
+  encode = functools.partial(EncodeRecord, tokenizer=tokenizer, template=None, add_bos=True, add_eos=True)
+  record = {"prompt": "What does len() return?", "completion": " The number of items."}
+  (doc,) = encode("prompt_completion", completion_only=True).map(record)
+  prompt_ids = [tokenizer.bos_id] + tokenizer.encode(record["prompt"])
+  completion_ids = tokenizer.encode(record["completion"]) + [tokenizer.eos_id]
+  np.testing.assert_array_equal(doc.tokens, prompt_ids + completion_ids)
+  np.testing.assert_array_equal(doc.mask, [0] * len(prompt_ids) + [1] * len(completion_ids))
+  assert encode("prompt_completion", completion_only=False).map(record)[0].mask.all()
+
+  pair = encode("preference", completion_only=False).map(
+    {"prompt": record["prompt"], "chosen": record["completion"], "rejected": " A list."}
+  )
+  assert isinstance(pair, Group) and len(pair) == 2
+  assert not pair[1].mask[: len(prompt_ids)].any() and pair[1].mask[len(prompt_ids) :].all()
+  rows = pack_documents([pair, pair, pair], seq_len=30)
+  # Each row holds whole pairs as segments 1, 2 (, 3, 4): a pair that does not fit opens the next row.
+  for row_inputs, row_targets in zip(rows["inputs_segmentation"], rows["targets_segmentation"]):
+    used = row_inputs[row_inputs > 0]
+    assert set(used) in ({1, 2}, {1, 2, 3, 4}) and np.all(np.diff(used) >= 0)
+    # Only response targets count: the prompt's are 0, so per row the learned targets are the responses.
+    assert set(row_targets[row_targets > 0]) == set(used)
+  assert (rows["inputs_segmentation"] > 0).sum() == 3 * (len(pair[0].tokens) - 1 + len(pair[1].tokens) - 1)
+
+
+@pytest.mark.parametrize(
+  ("overrides", "message"),
+  [
+    (("use_sft=true", "use_dpo=true"), "choose one"),
+    (("use_dpo=true",), "use_dpo=true needs load_parameters_path"),
+    (("use_sft=true",), r"train_data_columns=\['messages'\] needs use_chat_template=true"),
+    (("use_sft=true", "train_data_columns=['chosen','rejected']"), r"does not fit use_sft; use \['messages'\] or"),
+    (("use_sft=true", "train_data_columns=['prompt','completion']", "use_chat_template=true"), "tokenizer_type"),
+    (("use_chat_template=true",), "needs use_sft=true or use_dpo=true"),
+    (("use_dpo=true", "load_parameters_path=x", "dpo_label_smoothing=0.5"), r"dpo_label_smoothing must be in"),
+    (("use_sft=true", "train_data_columns=['prompt','completion']", "dataset_type=synthetic"), "dataset_type=grain"),
+  ],
+)
+def test_post_training_keys_errors(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    make_config(*overrides)
