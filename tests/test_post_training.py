@@ -135,6 +135,7 @@ def _hf_named(config, tree):
   return named
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_dpo_loss_and_gradients_equal_torch(models, smoothing):
   policy, reference, config, params, ref_params = models
