@@ -3,6 +3,8 @@ rows; the post-training keys' one-line errors."""
 
 import functools
 import math
+import os
+import shutil
 
 import jax
 import numpy as np
@@ -12,7 +14,8 @@ from test_hf_interop import hf_model, maxlite_config, maxlite_params
 
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint.hf_layout import global_tensors, layer_tensors
-from MaxLite.cli.errors import ConfigError
+from MaxLite.cli.errors import ConfigError, InputError
+from MaxLite.data.grain_pipeline import Records, make_grain_iterator
 from MaxLite.data.packing import Group, Masked, pack_documents
 from MaxLite.data.records import EncodeRecord
 from MaxLite.data.tokenizer import load_tokenizer
@@ -231,3 +234,46 @@ def test_records_become_masked_documents_and_whole_pairs():
 def test_post_training_keys_errors(overrides, message):
   with pytest.raises(ConfigError, match=message):
     make_config(*overrides)
+
+
+def test_shipped_sets_and_tokenizer_are_what_the_builder_makes(tmp_path):
+  """assets/post_training/ and assets/tokenizer/chat/ are make_post_training_data.py's output, byte for byte."""
+  from MaxLite import make_post_training_data
+
+  assert make_post_training_data.main(["--output_dir", str(tmp_path)]) == 0
+  for folder in ("post_training", os.path.join("tokenizer", "chat")):
+    names = sorted(os.listdir(tmp_path / folder))
+    assert names == sorted(os.listdir(os.path.join(REPO, "assets", folder)))
+    for name in names:
+      with open(tmp_path / folder / name, "rb") as built, open(os.path.join(REPO, "assets", folder, name), "rb") as f:
+        assert built.read() == f.read(), f"{folder}/{name} differs from what make_post_training_data.py builds"
+
+
+def test_a_changed_chat_template_refuses_to_resume_the_data_stream(tmp_path):
+  tokenizer_dir = tmp_path / "tok"
+  shutil.copytree(os.path.join(REPO, "assets", "tokenizer", "chat"), tokenizer_dir)
+  args = dict(
+    tokenizer_path=str(tokenizer_dir),
+    seq_len=128,
+    num_slots=2,
+    slots=[0, 1],
+    seed=0,
+    add_bos=True,
+    add_eos=True,
+    tokenizer_type="huggingface",
+    file_type="jsonl",
+    records=Records("chat", ["messages"], use_chat_template=True, completion_only=True),
+  )
+  files = os.path.join(REPO, "assets", "post_training", "chats-eval.jsonl")
+  first = make_grain_iterator(files, **args)
+  batch = next(first)
+  assert (batch["targets_segmentation"] > 0).any() and (
+    batch["targets_segmentation"] < batch["inputs_segmentation"]
+  ).any()
+  state = first.get_state()
+  again = make_grain_iterator(files, **args)
+  again.set_state(state)
+  np.testing.assert_array_equal(next(again)["inputs"], next(first)["inputs"])
+  (tokenizer_dir / "chat_template.jinja").write_text((tokenizer_dir / "chat_template.jinja").read_text() + "\n")
+  with pytest.raises(InputError, match="the tokenizer files or the chat template changed"):
+    make_grain_iterator(files, **args).set_state(state)

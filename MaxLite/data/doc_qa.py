@@ -1,10 +1,11 @@
 """A chat set and a preference set built from the shipped Python documentation corpus (no download).
 
-Each section of the reStructuredText sources (a heading underlined with = - ~ ^ * or ") is paired with its first
-prose paragraph, with the markup removed. A chat asks about the section's heading and is answered with that paragraph
-(some chats ask about two sections in two turns, some open with a system message). A preference pair asks the same
-kind of question; the chosen answer quotes the right section, the rejected one quotes another section of the same
-split. The train sets come from the train shards, the eval sets from the eval shard, so eval questions are held out.
+Each section of the reStructuredText sources (a heading underlined with = - ~ ^ * or ") is paired with the leading
+sentences (up to 200 characters) of its first prose paragraph, with the markup removed. A chat asks about the
+section's heading and is answered with that text (some chats ask about two sections in two turns, some open with a
+system message). A preference pair asks the same kind of question; the chosen answer quotes the right section, the
+rejected one another section of the same split (two pairs per train section, with other wordings and sections).
+The train sets come from the train shards, the eval sets from the eval shard, so eval questions are held out.
 
 Everything is a pure function of the corpus and the seed: make_post_training_data.py writes the shipped files and a
 test checks that they are what this module builds.
@@ -37,6 +38,17 @@ SYSTEM = "You answer questions about Python from its documentation."
 _ANSWER = 'The section "{}" says: {}'
 
 
+def first_sentences(paragraph: str, limit: int = 200) -> str:
+  """The paragraph's leading sentences that fit in `limit` characters (at least its first sentence)."""
+  sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z])", paragraph)
+  out = sentences[0]
+  for sentence in sentences[1:]:
+    if len(out) + 1 + len(sentence) > limit:
+      break
+    out += " " + sentence
+  return out
+
+
 def plain(text: str) -> str:
   """reStructuredText inline markup removed, lines joined."""
   for pattern in (_ROLE, _LITERAL, _LINK, _EMPHASIS):
@@ -63,7 +75,7 @@ def sections(document: str) -> list[tuple[str, str]]:
     if heading and block and _is_prose(block):
       paragraph = plain(" ".join(block))
       if 80 <= len(paragraph) <= 700:
-        out.append((heading, paragraph))
+        out.append((heading, first_sentences(paragraph)))
         heading = None
     block = []
 
@@ -115,20 +127,22 @@ def chats(pairs: Sequence[tuple[str, str]], seed: int) -> list[dict[str, Any]]:
   return out
 
 
-def preferences(pairs: Sequence[tuple[str, str]], seed: int) -> list[dict[str, str]]:
-  """Pairs: a question about one section, its paragraph chosen, another section's paragraph rejected."""
+def preferences(pairs: Sequence[tuple[str, str]], seed: int, per_section: int = 1) -> list[dict[str, str]]:
+  """Pairs: a question about one section, its paragraph chosen, another section's paragraph rejected (for each
+  section `per_section` pairs, each with its own question wording and wrong section)."""
   rng = np.random.default_rng(seed)
   out = []
-  for i, (heading, paragraph) in enumerate(pairs):
-    other = (i + 1 + int(rng.integers(len(pairs) - 1))) % len(pairs)
-    wrong_heading, wrong = pairs[other]
-    out.append(
-      {
-        "prompt": _question(rng, heading),
-        "chosen": _ANSWER.format(heading, paragraph),
-        "rejected": _ANSWER.format(wrong_heading, wrong),
-      }
-    )
+  for _ in range(per_section):
+    for i, (heading, paragraph) in enumerate(pairs):
+      other = (i + 1 + int(rng.integers(len(pairs) - 1))) % len(pairs)
+      wrong_heading, wrong = pairs[other]
+      out.append(
+        {
+          "prompt": _question(rng, heading),
+          "chosen": _ANSWER.format(heading, paragraph),
+          "rejected": _ANSWER.format(wrong_heading, wrong),
+        }
+      )
   return out
 
 
@@ -136,12 +150,12 @@ def jsonl(records: Iterable[dict[str, Any]]) -> str:
   return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
-def build(train_files: str, eval_files: str, seed: int = 0, max_train_sections: int = 600) -> dict[str, str]:
-  """{file name: JSONL text} of the four shipped sets (the train sets from the first `max_train_sections`)."""
-  train, held_out = _pairs(train_files)[:max_train_sections], _pairs(eval_files)
+def build(train_files: str, eval_files: str, seed: int = 0) -> dict[str, str]:
+  """{file name: JSONL text} of the four shipped sets."""
+  train, held_out = _pairs(train_files), _pairs(eval_files)
   return {
     "chats-train.jsonl": jsonl(chats(train, seed)),
     "chats-eval.jsonl": jsonl(chats(held_out, seed + 1)),
-    "preferences-train.jsonl": jsonl(preferences(train, seed + 2)),
+    "preferences-train.jsonl": jsonl(preferences(train, seed + 2, per_section=2)),
     "preferences-eval.jsonl": jsonl(preferences(held_out, seed + 3)),
   }
