@@ -32,6 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from MaxLite import storage
 from MaxLite.cli.errors import InputError, first_line
+from MaxLite.data.hf_tokenizer import read_json_object
 
 Message = dict[str, Any]
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -75,12 +76,9 @@ def compile_template(source: str, where: str = "chat template") -> jinja2.Templa
 
 
 def _read_json(path: str) -> dict[str, Any]:
-  try:
-    data = json.loads(storage.read_text(path))
-  except (OSError, ValueError) as e:
-    raise InputError(f"cannot read {path!r} ({first_line(e)})") from None
-  if not isinstance(data, dict):
-    raise InputError(f"{path!r} does not hold a JSON object")
+  data = read_json_object(path)
+  if data is None:
+    raise InputError(f"file not found: {path!r}")
   return data
 
 

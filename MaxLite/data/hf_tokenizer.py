@@ -27,8 +27,8 @@ _WELL_KNOWN = {
 }
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
-  """The JSON object in `path`, None when there is no such file."""
+def read_json_object(path: str) -> dict[str, Any] | None:
+  """The JSON object in a tokenizer's file `path`, None when there is no such file; InputError if it holds another."""
   if not storage.isfile(path):
     return None
   try:
@@ -61,7 +61,7 @@ class HuggingFaceTokenizer:
     # (transformers turns them off per call too).
     self._tok.no_truncation()
     self._tok.no_padding()
-    configs = [(name, _read_json(storage.join(folder, name))) for name in _CONFIG_FILES]
+    configs = [(name, read_json_object(storage.join(folder, name))) for name in _CONFIG_FILES]
     self.bos_id, self.eos_id, self.pad_id = (self._special_id(kind, configs) for kind in ("bos", "eos", "pad"))
     vocab = self._tok.get_vocab(with_added_tokens=True)
     # Added tokens may leave gaps, so the largest id (not the count) decides how many embedding rows are needed.
