@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -16,11 +17,28 @@ from MaxLite.config import Config
 from MaxLite.parallel.sharding import logical_to_sharding, unbox
 
 
+@dataclasses.dataclass(frozen=True)
 class TrainState(train_state.TrainState):
   """flax's train state, plus the frozen reference parameters of DPO (None otherwise). The reference is sharded like
-  the parameters and saved with them, so a resumed DPO run needs nothing but its checkpoint."""
+  the parameters and saved with them, so a resumed DPO run needs nothing but its checkpoint. Without one the state
+  flattens exactly as flax's does, so checkpoints written before the field existed still restore."""
 
   reference: Any = None
+  _flax_dataclass = True  # flax's own dataclass registration is skipped: _flatten below decides the tree
+
+
+def _flatten(state: TrainState) -> tuple[list, tuple]:
+  names = ("step", "params", "opt_state") + (("reference",) if state.reference is not None else ())
+  children = [(jax.tree_util.GetAttrKey(name), getattr(state, name)) for name in names]
+  return children, (state.apply_fn, state.tx, names)
+
+
+def _unflatten(aux: tuple, children: list) -> TrainState:
+  apply_fn, tx, names = aux
+  return TrainState(apply_fn=apply_fn, tx=tx, **dict(zip(names, children)))
+
+
+jax.tree_util.register_pytree_with_keys(TrainState, _flatten, _unflatten)
 
 
 def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
