@@ -277,3 +277,22 @@ def test_a_changed_chat_template_refuses_to_resume_the_data_stream(tmp_path):
   (tokenizer_dir / "chat_template.jinja").write_text((tokenizer_dir / "chat_template.jinja").read_text() + "\n")
   with pytest.raises(InputError, match="the tokenizer files or the chat template changed"):
     make_grain_iterator(files, **args).set_state(state)
+
+
+def test_train_state_tree_is_flax_s_unless_it_holds_a_reference():
+  """Checkpoints written by flax's TrainState (every pretraining checkpoint before DPO existed) keep restoring."""
+  import optax
+  from flax.training import train_state as flax_train_state
+
+  from MaxLite.training.train_state import TrainState
+
+  def paths(tree):
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+  params = {"w": np.ones(3, np.float32)}
+  ours = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  theirs = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  assert paths(ours) == paths(theirs)
+  with_reference = ours.replace(reference=params)
+  assert paths(with_reference) == paths(theirs) + [".reference['w']"]
+  assert jax.tree.map(lambda x: x, with_reference).reference["w"] is params["w"]
