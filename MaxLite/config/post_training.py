@@ -44,9 +44,7 @@ def derive(c: dict[str, Any]) -> dict[str, Any]:
     for key in ("use_chat_template", "sft_train_on_completion_only"):
       if c[key]:
         raise ConfigError(f"{key}=true needs use_sft=true or use_dpo=true (pretraining reads plain text)")
-    text = (c["train_data_columns"] or [c["grain_text_column"]])[0]
-    evaluation = list(c["eval_data_columns"] or [text])
-    return {"train_data_columns": [text], "eval_data_columns": evaluation, "data_kind": "text"}
+    return {"data_kind": "text"}  # the text column is train_data_columns[0], else grain_text_column
   if c["dataset_type"] != "grain":
     raise ConfigError("use_sft/use_dpo read records from files: set dataset_type=grain (with grain_train_files)")
   allowed, what = (SFT_COLUMNS, "use_sft") if c["use_sft"] else (DPO_COLUMNS, "use_dpo")

@@ -101,7 +101,8 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
       seed=seed,
     )
   files = config.grain_train_files if split == "train" else config.grain_eval_files
-  columns = config.train_data_columns if split == "train" else config.eval_data_columns
+  columns = config.train_data_columns if split == "train" else config.eval_data_columns or config.train_data_columns
+  columns = columns or (config.grain_text_column,)
   records = None
   if config.use_sft or config.use_dpo:
     records = Records(
