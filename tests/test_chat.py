@@ -8,8 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordReader
-from conftest import REPO
+from conftest import REPO, read_records
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from MaxLite.cli.errors import InputError
@@ -56,14 +55,6 @@ CONVERSATIONS = [
 ]
 
 
-def _texts(n: int) -> list[str]:
-  reader = ArrayRecordReader(CORPUS)
-  try:
-    return [r.decode("utf-8") for r in reader.read(list(range(n)))]
-  finally:
-    reader.close()
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory):
   """A byte-level BPE trained on shipped text, saved by transformers with each template (ChatML without a BOS, as
@@ -74,7 +65,7 @@ def tokenizer_dirs(tmp_path_factory):
   trainer = trainers.BpeTrainer(
     vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
   )
-  tok.train_from_iterator(_texts(200), trainer)
+  tok.train_from_iterator(read_records([CORPUS])[:200], trainer)
   dirs = {}
   for name, template, bos, eos in (
     ("chatml", CHATML, None, "<|im_end|>"),
