@@ -27,7 +27,9 @@ LAUNCH = os.path.join(REPO, "MaxLite", "launch_local.py")
 
 def env_with_devices(n: int) -> dict[str, str]:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+  # Other flags are kept: the tests' conftest compiles at a lower optimisation level, for these processes too.
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
   env["JAX_PLATFORMS"] = "cpu"
   return env
 
