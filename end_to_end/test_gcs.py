@@ -398,16 +398,37 @@ def _local_steps(folder):
   return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
 
 
+def _bucket_copy(gcs, prefix):
+  return {name: gcs.read(BUCKET, name) for name in gcs.objects(BUCKET, prefix)}
+
+
+def _put_back(gcs, prefix, objects, folder, copy):
+  """The bucket objects under `prefix` and `folder` become exactly `objects` and `copy` again."""
+  for name in gcs.objects(BUCKET, prefix):
+    gcs.delete(BUCKET, name)
+  for name, data in objects.items():
+    gcs.upload(BUCKET, name, data)
+  assert gcs.objects(BUCKET, prefix) == sorted(objects)
+  shutil.rmtree(folder, ignore_errors=True)
+  shutil.copytree(copy, folder, symlinks=True)
+
+
 def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_positions(gcs, tmp_path):
   """2 processes x 4 devices, each process one data replica with its own local directory; persistent steps on
   the bucket. Killed after a local save newer than the persistent one, the job resumes from that local step;
   with process 1's local directory gone (a replaced host), from what is left; with that step's data positions
-  gone, from the step before, saving over the leftover local step. All equal the uninterrupted run."""
+  gone, from the step before, saving over the leftover local step. All equal the uninterrupted run.
+
+  The job is killed once: the three resumes each start from the exact files it left (same run_name, same paths;
+  local files and bucket objects are copied aside after the kill and put back before each later scenario),
+  which spares two launches that only repeated the kill."""
   log = str(tmp_path / "launch.log")
   plain = procs.launch_command(2, 4, *EMERGENCY_LAYOUT, f"base_output_directory={tmp_path}", "run_name=ref")
   assert procs.run(plain, log) == 0, procs.tail(log)
   straight = procs.losses(procs.metric_rows(str(tmp_path / "ref" / "metrics.jsonl")))
+  assert sorted(straight) == list(range(1, 17))
   local = tmp_path / "local"
+  run, prefix, local_run = "em", "runs/em/", str(local / "em")
   emergency = (
     *EMERGENCY_LAYOUT,
     f"base_output_directory=gs://{BUCKET}/runs",
@@ -415,21 +436,28 @@ def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_posi
     f"local_checkpoint_directory={local}",
     "local_checkpoint_period=2",
     "checkpoint_period=8",
+    f"run_name={run}",
   )
-  for run, loss in (("em", None), ("em_lost", "host"), ("em_no_positions", "positions")):
-    command = procs.launch_command(2, 4, *emergency, f"run_name={run}")
-    launcher = _start(gcs, command, log)
-    replica_1 = str(local / run / "process_1")
-    _wait(launcher, log, lambda r=replica_1: max(_local_steps(r), default=0) >= 10, "local step 10 saved")
-    os.killpg(launcher.pid, signal.SIGSTOP)  # frozen at once: no save after this look
-    local_steps, persistent = _local_steps(replica_1), _finalized(gcs, run)
-    procs.kill_group(launcher, signal.SIGKILL)
-    assert max(local_steps) > max(persistent), (local_steps, persistent)
+  command = procs.launch_command(2, 4, *emergency)
+  launcher = _start(gcs, command, log)
+  replica_1 = os.path.join(local_run, "process_1")
+  _wait(launcher, log, lambda: max(_local_steps(replica_1), default=0) >= 10, "local step 10 saved")
+  os.killpg(launcher.pid, signal.SIGSTOP)  # frozen at once: no save after this look
+  local_steps, persistent = _local_steps(replica_1), _finalized(gcs, run)
+  procs.kill_group(launcher, signal.SIGKILL)
+  assert max(local_steps) > max(persistent), (local_steps, persistent)
+  killed_objects, killed_local = _bucket_copy(gcs, prefix), str(tmp_path / "killed_local")
+  shutil.copytree(local_run, killed_local, symlinks=True)
+  positions = f"{prefix}data_positions/{max(local_steps)}/"
+  assert any(name.startswith(positions) for name in killed_objects)  # what the "positions" scenario deletes
+
+  for loss in (None, "host", "positions"):
+    if loss is not None:  # the first resume changed both: back to what the kill left
+      _put_back(gcs, prefix, killed_objects, local_run, killed_local)
     if loss == "host":
       shutil.rmtree(replica_1)
     if loss == "positions":  # the newest local step is left without them, as a kill between the two saves would
-      prefix = f"runs/{run}/data_positions/{max(local_steps)}/"
-      for name in gcs.objects(BUCKET, prefix):
+      for name in gcs.objects(BUCKET, positions):
         gcs.delete(BUCKET, name)
     start = len(open(log, encoding="utf-8").read())
     assert _run(gcs, command, log) == 0, procs.tail(log)
@@ -443,7 +471,7 @@ def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_posi
       expected = max(persistent)
     else:  # the newest local step is unusable: the step before it, local or persistent
       expected = max(s for s in local_steps + persistent if s < max(local_steps))
-    assert steps == {expected}, (steps, local_steps, persistent)
+    assert steps == {expected}, (loss, steps, local_steps, persistent)
     if loss == "positions":  # and process 1 deleted its local step, which the resumed run saved again
       assert f"deleting local step {max(local_steps)}" in resumed, resumed[-3000:]
-    assert _bucket_losses(gcs, run) == straight  # bit for bit
+    assert _bucket_losses(gcs, run) == straight, loss  # bit for bit

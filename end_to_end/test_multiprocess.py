@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -35,27 +36,60 @@ def _processes_mentioning(text: str) -> list[int]:
   return found
 
 
-def test_two_processes_killed_and_resumed_match_uninterrupted_run(tmp_path):
-  args = (*TINY, f"base_output_directory={tmp_path}")
-  log = str(tmp_path / "launch.log")
-  assert procs.run(procs.launch_command(2, 4, *args, "run_name=a"), log) == 0, procs.tail(log)
-  straight = procs.losses(procs.metric_rows(str(tmp_path / "a" / "metrics.jsonl")))
-  assert sorted(straight) == list(range(1, 9))
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+  """A folder for the module's shared runs; each runs once, whichever test asks first, and only if one does."""
+  return tmp_path_factory.mktemp("shared")
 
-  command = procs.launch_command(2, 4, *args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=3")
-  metrics = str(tmp_path / "b" / "metrics.jsonl")
+
+@pytest.fixture(scope="module")
+def straight(shared):
+  """Losses of the uninterrupted 2 processes x 4 devices run: the bit-for-bit reference of the kill/resume test
+  and the 2 x 4 layout of the layouts test (one launch for both)."""
+  log = str(shared / "straight.log")
+  command = procs.launch_command(2, 4, *TINY, f"base_output_directory={shared}", "run_name=a")
+  assert procs.run(command, log) == 0, procs.tail(log)
+  losses = procs.losses(procs.metric_rows(str(shared / "a" / "metrics.jsonl")))
+  assert sorted(losses) == list(range(1, 9))
+  return losses
+
+
+CHECKPOINTED = (*TINY, "run_name=b", "enable_checkpointing=true", "checkpoint_period=3")
+
+
+@pytest.fixture(scope="module")
+def killed(shared):
+  """A 2 x 4 run saving every 3 steps, SIGKILLed (launcher and both processes) after step 5, with a copy of its run
+  directory as the kill left it. Both tests that resume it (as 2 x 4, and as 1 process on another mesh) first put
+  that copy back (`_as_killed`), so each resumes the very files of the one killed launch, at the same path."""
+  base, log = shared / "killed", str(shared / "killed.log")
+  command = procs.launch_command(2, 4, *CHECKPOINTED, f"base_output_directory={base}")
+  metrics = str(base / "b" / "metrics.jsonl")
   launcher = procs.start(command, log)
   procs.wait_for_step(launcher, metrics, 5, log)
   procs.kill_group(launcher, signal.SIGKILL)  # the launcher and both training processes
-  _assert_all_exit(f"base_output_directory={tmp_path}")
-  assert sorted(os.listdir(tmp_path / "b" / "checkpoints"))[0] == "3"
-  killed_at = os.path.getsize(metrics)
+  _assert_all_exit(f"base_output_directory={base}")
+  assert sorted(os.listdir(base / "b" / "checkpoints"))[0] == "3"
+  shutil.copytree(base / "b", shared / "killed_copy", symlinks=True)
+  return {"run_dir": base / "b", "copy": shared / "killed_copy", "command": command, "log": log}
 
-  assert procs.run(command, log) == 0, procs.tail(log)
+
+def _as_killed(killed) -> tuple[str, int]:
+  """Puts the killed run directory back as the kill left it; (its metrics file, that file's size then)."""
+  shutil.rmtree(killed["run_dir"])
+  shutil.copytree(killed["copy"], killed["run_dir"], symlinks=True)
+  metrics = str(killed["run_dir"] / "metrics.jsonl")
+  return metrics, os.path.getsize(metrics)
+
+
+def test_two_processes_killed_and_resumed_match_uninterrupted_run(straight, killed):
+  log = killed["log"]
+  metrics, killed_at = _as_killed(killed)
+  assert procs.run(killed["command"], log) == 0, procs.tail(log)
   resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
   assert max(resumed) == 8 and min(resumed) <= 6
   assert resumed == {s: straight[s] for s in resumed}  # bit for bit
-  assert sorted(os.listdir(tmp_path / "b" / "checkpoints" / "8" / "data_iter")) == [
+  assert sorted(os.listdir(killed["run_dir"] / "checkpoints" / "8" / "data_iter")) == [
     "commit_success.txt",
     "process_0-of-2.json",
     "process_1-of-2.json",
@@ -141,32 +175,28 @@ def test_unreachable_coordinator_is_one_clear_line_within_the_timeout(tmp_path):
   ), output
 
 
-def test_grain_data_is_the_same_on_any_process_layout_and_resumes_on_another(tmp_path):
+def test_grain_data_is_the_same_on_any_process_layout_and_resumes_on_another(tmp_path, straight, killed):
   """Shipped corpus, fsdp=8: 1 process x 8 devices, 2 x 4 and 4 x 2 train on the same global batches; a 2-process
   run killed after step 5 resumes as 1 process on another mesh (fsdp=4 x tensor=2) and continues the same stream.
-  Processes with other device counts round differently in XLA's CPU code, hence rel 1e-5, not bit for bit."""
+  Processes with other device counts round differently in XLA's CPU code, hence rel 1e-5, not bit for bit.
+  The 2 x 4 run and the killed one are the module's shared runs (see `straight` and `killed`)."""
   args = (*TINY, f"base_output_directory={tmp_path}")
   log = str(tmp_path / "log")
   assert procs.run(procs.train_command(*args, "run_name=one"), log, devices=8) == 0, procs.tail(log)
-  assert procs.run(procs.launch_command(2, 4, *args, "run_name=two"), log) == 0, procs.tail(log)
   assert procs.run(procs.launch_command(4, 2, *args, "run_name=four"), log) == 0, procs.tail(log)
-  one, two, four = (
-    procs.losses(procs.metric_rows(str(tmp_path / r / "metrics.jsonl"))) for r in ("one", "two", "four")
-  )
+  one, four = (procs.losses(procs.metric_rows(str(tmp_path / r / "metrics.jsonl"))) for r in ("one", "four"))
+  two = straight
   assert sorted(one) == list(range(1, 9))
   np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-5)
   np.testing.assert_allclose([four[s] for s in one], list(one.values()), rtol=1e-5)
 
-  checkpointed = (*args, "run_name=elastic", "enable_checkpointing=true", "checkpoint_period=3")
-  launcher = procs.start(procs.launch_command(2, 4, *checkpointed), log)
-  metrics = str(tmp_path / "elastic" / "metrics.jsonl")
-  procs.wait_for_step(launcher, metrics, 5, log)
-  procs.kill_group(launcher, signal.SIGKILL)
-  killed_at = os.path.getsize(metrics)
+  # The killed 2 x 4 run, resumed as 1 process x 8 devices on another mesh.
+  metrics, killed_at = _as_killed(killed)
+  checkpointed = (*CHECKPOINTED, f"base_output_directory={killed['run_dir'].parent}")
   other_mesh = procs.train_command(*checkpointed, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
   assert procs.run(other_mesh, log, devices=8) == 0, procs.tail(log)
   resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
-  assert min(resumed) in (4, 7) and max(resumed) == 8
+  assert resumed and min(resumed) in (4, 7) and max(resumed) == 8
   np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [one[s] for s in sorted(resumed)], rtol=1e-5)
 
 
