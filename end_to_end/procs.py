@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from MaxLite.launch.local import process_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_YML = os.path.join(REPO, "configs", "base.yml")
 
@@ -26,12 +28,9 @@ LAUNCH = os.path.join(REPO, "MaxLite", "launch_local.py")
 
 
 def env_with_devices(n: int) -> dict[str, str]:
-  env = dict(os.environ)
-  # Other flags are kept: the tests' conftest compiles at a lower optimisation level, for these processes too.
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  # launch_local's environment: n CPU devices, and the other XLA flags kept (the tests' conftest compiles at a
+  # lower optimisation level, for these processes too).
+  return process_env(n)
 
 
 def train_command(*overrides: str) -> list[str]:
