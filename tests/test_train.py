@@ -49,12 +49,12 @@ def single_device(tmp_path_factory):
 @pytest.mark.parametrize(
   "mesh",
   [
+    # (tensor, sequence, stage and expert layouts: test_parallelism.py)
     ("ici_fsdp_parallelism=8",),
-    ("ici_data_parallelism=2", "ici_fsdp_parallelism=4"),
-    ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
     ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
     ("ici_fsdp_parallelism=2", "dcn_data_parallelism=4", "num_slices=4"),
   ],
+  ids=["fsdp8", "data8", "fsdp2_dcn_data4"],
 )
 def test_mesh_layouts_match_single_device(tmp_path, single_device, mesh):
   losses, grad_norms = _losses(tmp_path, 8, "per_device_batch_size=1", *mesh)

@@ -20,6 +20,11 @@ needs_libtpu = pytest.mark.skipif(
 )
 
 
+# 64-token rows: the TPU compiler takes about half as long as for the tiny model's 256, and what these tests check
+# (placement, flags, the report) does not depend on the length.
+TINY_TPU = ("model_name=tiny", "max_target_length=64")
+
+
 def _compile(*overrides, env=None):
   env = dict(os.environ if env is None else env)
   env.pop("XLA_FLAGS", None)  # train_compile sets the device count itself
@@ -57,7 +62,7 @@ def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
 @needs_libtpu
 def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
   def host_mib(*overrides):
-    proc = _compile("model_name=tiny", "compile_topology=v5p-8", "per_device_batch_size=8", *overrides)
+    proc = _compile(*TINY_TPU, "compile_topology=v5p-8", "per_device_batch_size=8", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.search(r"\(arguments ([\d.]+) (MiB|GiB), temporaries ([\d.]+) (MiB|GiB): host-offloaded", proc.stdout)
     mib = lambda value, unit: float(value) * (1024 if unit == "GiB" else 1)
@@ -76,7 +81,7 @@ def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
 @needs_libtpu
 @pytest.mark.parametrize("slices, mesh", [(1, "mesh fsdp=4"), (2, "mesh data=2 x fsdp=4")])
 def test_tiny_on_v5p_8_fits(slices, mesh):
-  proc = _compile("model_name=tiny", "compile_topology=v5p-8", f"compile_topology_num_slices={slices}")
+  proc = _compile(*TINY_TPU, "compile_topology=v5p-8", f"compile_topology_num_slices={slices}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"compiled train step for v5p-8 x {slices} slice(s) ({4 * slices} devices, {mesh})" in proc.stdout
   assert "HBM per device: 95.00 GiB -> fits" in proc.stdout
@@ -89,7 +94,7 @@ def test_tiny_on_v5p_8_fits(slices, mesh):
 @needs_libtpu
 def test_a_users_libtpu_init_args_win_and_are_reported():
   env = dict(os.environ, LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=false")
-  proc = _compile("model_name=tiny", "compile_topology=v5e-16", env=env)
+  proc = _compile(*TINY_TPU, "compile_topology=v5e-16", env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "XLA flags (LIBTPU_INIT_ARGS from the environment): --xla_enable_async_all_gather=false" in proc.stdout
 
