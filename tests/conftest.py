@@ -4,10 +4,10 @@ import os
 
 # LLVM's optimisation level 0: the tests' programs are small and run a few steps, so XLA's CPU compiles are most of
 # their time, and level 0 compiles them 1.5-2.5x faster. The programs compute the same functions (the equivalence
-# tests compare runs that all use it); what users run is compiled at the default level.
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+# tests compare runs that all use it); what users run is compiled at the default level. Processes a test starts on
+# one device get FAST_COMPILE alone; those on several devices keep these flags (end_to_end/procs.py).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,7 @@ def tmp_outputs(tmp_path):
 
 def run_train_cli(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
   """`python MaxLite/train.py configs/base.yml key=value ...` from the repo root on one CPU device."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   command = [sys.executable, "MaxLite/train.py", "configs/base.yml", *overrides]
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -8,10 +8,10 @@ import sys
 import tomllib
 
 import pytest
-from conftest import BASE_YML, REPO
+from conftest import BASE_YML, FAST_COMPILE, REPO
 
 PACKAGE = pathlib.Path(REPO) / "MaxLite"
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
 
 
 def _pyproject() -> dict:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, first_devices
+from conftest import FAST_COMPILE, REPO, first_devices
 
 from MaxLite.parallel import topologies
 from MaxLite.planning import hlo_costs, perf_model
@@ -83,7 +83,7 @@ def test_an_async_collective_is_hidden_by_the_work_scheduled_inside_it():
 
 
 def _plan(*args, timeout=600):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   command = [sys.executable, "MaxLite/plan.py", "configs/base.yml", *args]
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -115,7 +115,7 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
   assert "compiled," not in again.stderr  # no progress line: nothing was compiled
   assert _ranked_rows(again.stdout) == rows
 
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   check = subprocess.run(
     [sys.executable, "MaxLite/train_compile.py", str(tmp_path / "best.yml")],
     cwd=REPO,

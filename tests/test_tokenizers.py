@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
-from conftest import REPO, make_config, run_train_cli
+from conftest import FAST_COMPILE, REPO, make_config, run_train_cli
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from MaxLite.cli.errors import ConfigError, InputError
@@ -265,7 +265,7 @@ def test_train_and_decode_commands_with_a_huggingface_tokenizer(hf_dirs, tmp_pat
   decode = [sys.executable, "MaxLite/decode.py", "configs/base.yml", *tokenizer, "prompt=The Python"]
   decode += [f"load_parameters_path={tmp_path / 'hf' / 'checkpoints' / '4'}", "max_target_length=64"]
   decode += ["max_prefill_predict_length=16", "max_decode_steps=6", "jax_cache_dir="]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   decoded = subprocess.run(decode, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert decoded.returncode == 0, decoded.stderr[-3000:]
   continuation = decoded.stdout.split("[0] The Python", 1)[1].rstrip("\n")
