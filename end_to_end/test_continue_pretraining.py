@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+import procs
 import pytest
 from procs import REPO
 
@@ -86,8 +87,7 @@ def readme_commands(heading="### Continue pretraining Llama 3.2 1B"):
 
 
 def run(args, timeout=300):
-  # One device; LLVM's level 0 compiles these few-step programs faster (as in tests/conftest.py)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+  env = procs.env_with_devices(1)  # one CPU device, the tests' other XLA flags kept (fast compiles)
   done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
   assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
   return done.stdout
