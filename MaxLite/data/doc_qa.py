@@ -5,7 +5,8 @@ sentences (up to 200 characters) of its first prose paragraph, with the markup r
 section's heading and is answered with that text (some chats ask about two sections in two turns, some open with a
 system message). A preference pair asks the same kind of question; the chosen answer quotes the right section, the
 rejected one another section of the same split (two pairs per train section, with other wordings and sections).
-The train sets come from the train shards, the eval sets from the eval shard, so eval questions are held out.
+The train sets come from the train shards, the eval sets from the eval shard, so eval questions are held out; one more
+preference eval set holds new pairs about trained sections (`new_pairs`).
 
 Everything is a pure function of the corpus and the seed: make_post_training_data.py writes the shipped files and a
 test checks that they are what this module builds.
@@ -146,16 +147,36 @@ def preferences(pairs: Sequence[tuple[str, str]], seed: int, per_section: int = 
   return out
 
 
+def new_pairs(pairs: Sequence[tuple[str, str]], seed: int, count: int = 60) -> list[dict[str, str]]:
+  """Held-out pairs about trained sections: for `count` sections (every other one), a question and a wrong section
+  (one of the others) drawn afresh. Every paragraph in them is also chosen (and rejected) in the train pairs, so only
+  a policy that matches the answer to the question prefers the right one."""
+  rng = np.random.default_rng(seed)
+  asked, others = pairs[0::2][:count], pairs[1::2]
+  out = []
+  for heading, paragraph in asked:
+    wrong_heading, wrong = others[int(rng.integers(len(others)))]
+    out.append(
+      {
+        "prompt": _question(rng, heading),
+        "chosen": _ANSWER.format(heading, paragraph),
+        "rejected": _ANSWER.format(wrong_heading, wrong),
+      }
+    )
+  return out
+
+
 def jsonl(records: Iterable[dict[str, Any]]) -> str:
   return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def build(train_files: str, eval_files: str, seed: int = 0) -> dict[str, str]:
-  """{file name: JSONL text} of the four shipped sets."""
+  """{file name: JSONL text} of the five shipped sets."""
   train, held_out = _pairs(train_files), _pairs(eval_files)
   return {
     "chats-train.jsonl": jsonl(chats(train, seed)),
     "chats-eval.jsonl": jsonl(chats(held_out, seed + 1)),
     "preferences-train.jsonl": jsonl(preferences(train, seed + 2, per_section=2)),
     "preferences-eval.jsonl": jsonl(preferences(held_out, seed + 3)),
+    "preferences-eval-trained-sections.jsonl": jsonl(new_pairs(train, seed + 99)),
   }
