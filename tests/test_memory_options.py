@@ -27,6 +27,7 @@ RUN = (
   "learning_rate=1e-2",
   "warmup_steps_fraction=0.0",
   "z_loss_multiplier=1e-3",
+  "enable_checkpointing=false",
 )
 
 

@@ -155,7 +155,13 @@ def test_predicted_order_of_clearly_separated_plans_is_the_measured_order(tmp_pa
   from MaxLite.training.trainer import train
 
   model = ["model_name=tiny", "base_emb_dim=256", "base_mlp_dim=1024", "vocab_size=1024", "max_target_length=256"]
-  run = ["steps=6", "enable_tensorboard=false", f"base_output_directory={tmp_path}", "dataset_type=synthetic"]
+  run = [
+    "steps=6",
+    "enable_tensorboard=false",
+    "enable_checkpointing=false",
+    f"base_output_directory={tmp_path}",
+    "dataset_type=synthetic",
+  ]
   plans = {"fast": ["ici_fsdp_parallelism=8", "per_device_batch_size=8"]}
   plans["slow"] = ["ici_fsdp_parallelism=1", "ici_sequence_parallelism=8", "per_device_batch_size=0.125"]
   predicted, measured = {}, {}

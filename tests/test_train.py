@@ -25,6 +25,7 @@ TINY = (
   "enable_tensorboard=false",
   "learning_rate=1e-2",
   "warmup_steps_fraction=0.0",
+  "enable_checkpointing=false",  # the tests that save ask for it
 )
 
 

@@ -58,45 +58,55 @@ def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
   assert len(rows) >= 3 and any("<- " in r and "/" in r.split("<- ")[1] for r in rows), table
 
 
+def _host_mib(report):
+  """(arguments, temporaries) in host memory, MiB, from train_compile's report."""
+  found = re.search(r"\(arguments ([\d.]+) (MiB|GiB), temporaries ([\d.]+) (MiB|GiB): host-offloaded", report)
+  mib = lambda value, unit: float(value) * (1024 if unit == "GiB" else 1)
+  return mib(*found.group(1, 2)), mib(*found.group(3, 4))
+
+
 @pytest.mark.slow
 @needs_libtpu
 def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
-  def host_mib(*overrides):
-    proc = _compile(*TINY_TPU, "compile_topology=v5p-8", "per_device_batch_size=8", *overrides)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"\(arguments ([\d.]+) (MiB|GiB), temporaries ([\d.]+) (MiB|GiB): host-offloaded", proc.stdout)
-    mib = lambda value, unit: float(value) * (1024 if unit == "GiB" else 1)
-    return mib(*found.group(1, 2)), mib(*found.group(3, 4))
-
+  """All three offloads in one compile; the same compile without them (test_tiny_on_v5p_8_fits) has nothing on the
+  host."""
+  proc = _compile(
+    *TINY_TPU,
+    "compile_topology=v5p-8",
+    "remat_policy=minimal_offloaded",
+    "parameter_memory_host_offload=true",
+    "optimizer_memory_host_offload=true",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  arguments, temporaries = _host_mib(proc.stdout)
   # (On llama2-7b minimal_offloaded takes the device from 81.9 to 42.0 GiB; the tiny model's activations are too
   # small for the copies' staging buffers to pay off, so only the move itself is checked here.)
-  assert host_mib("remat_policy=minimal") == (0, 0)
-  assert host_mib("remat_policy=minimal_offloaded")[1] > 0  # saved activations: host temporaries
+  assert temporaries > 0  # saved activations: host temporaries
   # Params (0.27 MiB per device) and AdamW's two moments arrive as host-memory arguments (TPU tiling pads them).
-  arguments, _ = host_mib("parameter_memory_host_offload=true", "optimizer_memory_host_offload=true")
   assert arguments >= 3 * 1151616 * 4 / 4 / 2**20
 
 
 @pytest.mark.slow
 @needs_libtpu
-@pytest.mark.parametrize("slices, mesh", [(1, "mesh fsdp=4"), (2, "mesh data=2 x fsdp=4")])
-def test_tiny_on_v5p_8_fits(slices, mesh):
-  proc = _compile(*TINY_TPU, "compile_topology=v5p-8", f"compile_topology_num_slices={slices}")
+@pytest.mark.parametrize(
+  "slices, mesh, users_flags",
+  [(1, "mesh fsdp=4", None), (2, "mesh data=2 x fsdp=4", "--xla_enable_async_all_gather=false")],
+  ids=["1_slice", "2_slices_users_libtpu_init_args"],
+)
+def test_tiny_on_v5p_8_fits(slices, mesh, users_flags):
+  """MaxLite's v5p flags, or the user's own LIBTPU_INIT_ARGS, which win; the report names the ones used."""
+  env = dict(os.environ, **({"LIBTPU_INIT_ARGS": users_flags} if users_flags else {}))
+  proc = _compile(*TINY_TPU, "compile_topology=v5p-8", f"compile_topology_num_slices={slices}", env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"compiled train step for v5p-8 x {slices} slice(s) ({4 * slices} devices, {mesh})" in proc.stdout
   assert "HBM per device: 95.00 GiB -> fits" in proc.stdout
+  assert _host_mib(proc.stdout) == (0, 0)  # no offload asked for
   assert "roofline step time at the v5p bf16 peak (459 TFLOP/s)" in proc.stdout
-  flags = " ".join(topologies.LIBTPU_FLAGS["v5p"])
-  assert f"XLA flags (MaxLite's v5p defaults (topologies.LIBTPU_FLAGS)): {flags}" in proc.stdout
-
-
-@pytest.mark.slow
-@needs_libtpu
-def test_a_users_libtpu_init_args_win_and_are_reported():
-  env = dict(os.environ, LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=false")
-  proc = _compile(*TINY_TPU, "compile_topology=v5e-16", env=env)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "XLA flags (LIBTPU_INIT_ARGS from the environment): --xla_enable_async_all_gather=false" in proc.stdout
+  if users_flags:
+    assert f"XLA flags (LIBTPU_INIT_ARGS from the environment): {users_flags}" in proc.stdout
+  else:
+    flags = " ".join(topologies.LIBTPU_FLAGS["v5p"])
+    assert f"XLA flags (MaxLite's v5p defaults (topologies.LIBTPU_FLAGS)): {flags}" in proc.stdout
 
 
 def test_libtpu_flags_are_set_only_on_a_tpu_host_and_by_its_chip():

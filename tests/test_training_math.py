@@ -195,6 +195,7 @@ def test_bfloat16_loss_curve_tracks_float32(tmp_path):
       "steps=20",
       "learning_rate=3e-3",
       "eval_interval=-1",
+      "enable_checkpointing=false",
       f"dtype={dtype}",
       f"base_output_directory={tmp_path}",
       f"run_name={dtype}",
