@@ -130,13 +130,14 @@ def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):
 
 
 def test_fault_trial_resumes_bit_identical_after_random_kills():
-  """A small run of end_to_end/fault_trial.py (the README reports 20 trials of each kind)."""
+  """A small run of end_to_end/fault_trial.py (the README reports 20 trials of each kind): seed 0's trial kills
+  the run while step 9's save is in flight, then kills it again after step 11."""
   trial = os.path.join(procs.REPO, "end_to_end", "fault_trial.py")
   proc = subprocess.run(
-    [sys.executable, trial, "--trials", "2", "--storage", "local", "--processes", "1", "--seed", "3"],
+    [sys.executable, trial, "--trials", "1", "--storage", "local", "--processes", "1", "--seed", "0"],
     capture_output=True,
     text=True,
     timeout=600,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert "2/2 resumed bit-identical (1 process on local" in proc.stdout, proc.stdout
+  assert "1/1 resumed bit-identical (1 process on local" in proc.stdout, proc.stdout

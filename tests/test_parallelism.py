@@ -296,6 +296,7 @@ def test_print_sharding_from_the_command_line(tmp_path):
       *MOE,
       "steps=1",
       "debug_sharding=true",
+      "enable_checkpointing=false",
       "dataset_type=synthetic",
       "max_target_length=32",
       "per_device_batch_size=1",
