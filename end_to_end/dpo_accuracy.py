@@ -2,7 +2,7 @@
 
   python end_to_end/dpo_accuracy.py [--workdir=DIR] [--sft_steps=400] [--dpo_steps=800]
 
-Runs two train.py processes on this machine's CPU (about 35 min on 2 cores): SFT on assets/post_training/
+Runs two train.py processes on this machine's CPU (27 min on 2 cores here): SFT on assets/post_training/
 chats-train.jsonl (completion-only loss), then DPO from its last checkpoint (also the frozen reference) on
 preferences-train.jsonl, evaluating every 100 steps on preferences-eval-trained-sections.jsonl: 60 pairs that
 the train set does not hold, each asking about a trained section and setting its paragraph against another trained

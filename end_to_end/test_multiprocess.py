@@ -23,6 +23,9 @@ TINY = (
   "steps=8",
 )
 
+# 2 processes x 2 devices, for the tests of the processes themselves (each sets its own steps).
+TWO_BY_TWO = (*TINY[:-2], "ici_fsdp_parallelism=4")
+
 
 def _processes_mentioning(text: str) -> list[int]:
   found = []
@@ -97,9 +100,10 @@ def test_two_processes_killed_and_resumed_match_uninterrupted_run(straight, kill
 
 
 def test_sigterm_to_the_job_saves_the_same_step_on_every_process(tmp_path):
-  """jax.distributed's preemption sync: both processes agree on the step, save it, exit 0."""
+  """jax.distributed's preemption sync: both processes agree on the step, save it, exit 0 (2 processes x 2 devices:
+  what is tested is between the processes)."""
   args = (
-    *TINY[:-1],
+    *TWO_BY_TWO,
     "steps=100000",
     f"base_output_directory={tmp_path}",
     "run_name=p",
@@ -107,7 +111,7 @@ def test_sigterm_to_the_job_saves_the_same_step_on_every_process(tmp_path):
     "checkpoint_period=100000",
   )
   metrics, log = str(tmp_path / "p" / "metrics.jsonl"), str(tmp_path / "launch.log")
-  launcher = procs.start(procs.launch_command(2, 4, *args), log)
+  launcher = procs.start(procs.launch_command(2, 2, *args), log)
   procs.wait_for_step(launcher, metrics, 3, log)
   launcher.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
   assert launcher.wait(timeout=120) == 0, procs.tail(log)
@@ -135,9 +139,9 @@ def _pid_of(*fragments: str) -> int:
 
 
 def test_a_crashed_process_fails_the_launch_fast_and_leaves_no_orphans(tmp_path):
-  args = (*TINY[:-1], "steps=100000", f"base_output_directory={tmp_path}", "run_name=c")
+  args = (*TWO_BY_TWO, "steps=100000", f"base_output_directory={tmp_path}", "run_name=c")
   log = str(tmp_path / "launch.log")
-  launcher = procs.start(procs.launch_command(2, 4, *args), log)
+  launcher = procs.start(procs.launch_command(2, 2, *args), log)
   procs.wait_for_step(launcher, str(tmp_path / "c" / "metrics.jsonl"), 2, log)
   os.kill(_pid_of(f"base_output_directory={tmp_path}", "process_id=1"), signal.SIGKILL)
   crashed_at = time.monotonic()
