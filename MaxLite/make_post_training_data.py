@@ -4,8 +4,7 @@ held-out eval, JSONL) and a small ChatML tokenizer for the tiny models (see data
 Usage:   python MaxLite/make_post_training_data.py [--output_dir assets]     (or: maxlite-make-post-training-data)
 
 Writes OUTPUT_DIR/post_training/{chats,preferences}-{train,eval}.jsonl, preferences-eval-trained-sections.jsonl and
-OUTPUT_DIR/tokenizer/chat/. The files
-in assets/ are exactly what this writes (a test rebuilds and compares them).
+OUTPUT_DIR/tokenizer/chat/. The files in assets/ are exactly what this writes (a test rebuilds and compares them).
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):
 
 
 def test_fault_trial_resumes_bit_identical_after_random_kills():
-  """A small run of end_to_end/fault_trial.py (the README reports 20 trials of each kind): seed 0's trial kills
-  the run while step 9's save is in flight, then kills it again after step 11."""
+  """A small run of end_to_end/fault_trial.py (the README reports 20 trials of each kind). Seed 0's trial first
+  kills the run while a save is in flight (its first draws pick that kind and step 9), then kills it once more."""
   trial = os.path.join(procs.REPO, "end_to_end", "fault_trial.py")
   proc = subprocess.run(
     [sys.executable, trial, "--trials", "1", "--storage", "local", "--processes", "1", "--seed", "0"],
@@ -140,4 +140,5 @@ def test_fault_trial_resumes_bit_identical_after_random_kills():
     timeout=600,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert "trial 1/1: kills during_save@" in proc.stdout, proc.stdout
   assert "1/1 resumed bit-identical (1 process on local" in proc.stdout, proc.stdout

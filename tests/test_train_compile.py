@@ -68,8 +68,7 @@ def _host_mib(report):
 @pytest.mark.slow
 @needs_libtpu
 def test_offload_options_move_activations_and_state_to_host_memory_on_tpu():
-  """All three offloads in one compile; the same compile without them (test_tiny_on_v5p_8_fits) has nothing on the
-  host."""
+  """All three offloads in one compile (a compile without them, test_tiny_on_v5p_8_fits, has nothing on the host)."""
   proc = _compile(
     *TINY_TPU,
     "compile_topology=v5p-8",

@@ -148,8 +148,8 @@ def preferences(pairs: Sequence[tuple[str, str]], seed: int, per_section: int = 
 
 
 def new_pairs(pairs: Sequence[tuple[str, str]], seed: int, count: int = 60) -> list[dict[str, str]]:
-  """Held-out pairs about trained sections: for `count` sections (every other one), a question and a wrong section
-  (one of the others) drawn afresh. Every paragraph in them is also chosen (and rejected) in the train pairs, so only
+  """Held-out pairs about trained sections: for `count` of the even-numbered sections, a question and a wrong section
+  (an odd-numbered one) drawn afresh. Every paragraph in them is also chosen (and rejected) in the train pairs, so only
   a policy that matches the answer to the question prefers the right one."""
   rng = np.random.default_rng(seed)
   asked, others = pairs[0::2][:count], pairs[1::2]
