@@ -23,7 +23,7 @@ TINY = (
   "steps=8",
 )
 
-# 2 processes x 2 devices, for the tests of the processes themselves (each sets its own steps).
+# 2 processes x 2 devices, for the SIGTERM test: what it checks is between the processes (it sets its own steps).
 TWO_BY_TWO = (*TINY[:-2], "ici_fsdp_parallelism=4")
 
 

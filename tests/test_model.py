@@ -29,19 +29,17 @@ def _batch(batch=2, seq=SEQ, seed=0, vocab=8192):
   }
 
 
+def _init_fn(config):
+  return lambda rng, b: Transformer(config).init(rng, b["inputs"], b["inputs_position"], b["inputs_segmentation"])
+
+
 def _init(config, batch):
-  init = jax.jit(
-    lambda rng, b: Transformer(config).init(rng, b["inputs"], b["inputs_position"], b["inputs_segmentation"])
-  )
-  return nn.unbox(init(jax.random.key(0), batch)["params"])
+  return nn.unbox(jax.jit(_init_fn(config))(jax.random.key(0), batch)["params"])
 
 
 def _param_shapes(config, batch):
   """The parameter shapes init makes, without compiling or running it."""
-  init = lambda rng: Transformer(config).init(
-    rng, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
-  )
-  return nn.unbox(jax.eval_shape(init, jax.random.key(0))["params"])
+  return nn.unbox(jax.eval_shape(_init_fn(config), jax.random.key(0), batch)["params"])
 
 
 def _loss_and_grads(config, params, batch):
