@@ -1,4 +1,4 @@
-"""Memory options: vocabulary-tiled loss, host offload of state and activations, the largest-buffers report."""
+"""Memory options: vocabulary-tiled and -sliced losses, host offload of state and activations, the largest buffers."""
 
 import json
 import os
@@ -37,21 +37,26 @@ def _losses(tmp_path, *overrides, num_devices=1):
   return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
 
 
-@pytest.mark.parametrize("tiles", [2, 8])
-def test_tiled_loss_and_gradients_equal_the_untiled_ones(tiles):
+@pytest.mark.parametrize("split, n", [("tokens", 2), ("tokens", 8), ("vocabulary", 2), ("vocabulary", 8)])
+def test_split_losses_and_gradients_equal_the_whole_ones(split, n):
   keys = jax.random.split(jax.random.key(1), 3)
   hidden = jax.random.normal(keys[0], (4, 64, 32))
   head = jax.random.normal(keys[1], (32, 1000)) * 0.2
   targets = jax.random.randint(keys[2], (4, 64), 0, 1000)
   mask = jnp.ones((4, 64)).at[1, 40:].set(0.0).at[3, :5].set(0.0)
+  split_loss = {"tokens": loss.tiled_loss_sums, "vocabulary": loss.vocab_sliced_loss_sums}[split]
 
-  def untiled(hidden, head):
-    return sum(loss.loss_sums(jnp.einsum("bse,ev->bsv", hidden, head), targets, mask, 1e-3))
+  def whole(hidden, head):
+    xent, z = loss.loss_sums(jnp.einsum("bse,ev->bsv", hidden, head), targets, mask, 1e-3)
+    return xent + 7.0 * z  # distinct weights, so a mix-up of the two sums' gradients shows
 
-  def tiled(hidden, head):
-    return sum(loss.tiled_loss_sums(hidden, head, targets, mask, 1e-3, tiles))
+  def in_parts(hidden, head):
+    xent, z = split_loss(hidden, head, targets, mask, 1e-3, n)
+    return xent + 7.0 * z
 
-  (want, want_grads), (got, got_grads) = (jax.value_and_grad(f, argnums=(0, 1))(hidden, head) for f in (untiled, tiled))
+  (want, want_grads), (got, got_grads) = (
+    jax.value_and_grad(f, argnums=(0, 1))(hidden, head) for f in (whole, in_parts)
+  )
   np.testing.assert_allclose(got, want, rtol=1e-6)
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
@@ -119,6 +124,86 @@ def test_vocab_tiling_on_8_devices_with_sequence_and_tensor_split(tmp_path):
 def test_vocab_tiling_that_cannot_split_the_sequence_is_one_line():
   with pytest.raises(ConfigError, match=r"num_vocab_tiling=3 must divide max_target_length=128"):
     make_config(*RUN, "num_vocab_tiling=3")
+
+
+def test_vocab_sliced_bfloat16_loss_is_as_close_to_exact_as_the_whole_one():
+  keys = jax.random.split(jax.random.key(5), 3)
+  hidden = jax.random.normal(keys[0], (2, 256, 32))
+  head = jax.random.normal(keys[1], (32, 512)) * 0.2  # float32 weights, bfloat16 activations and logits
+  targets, mask = jax.random.randint(keys[2], (2, 256), 0, 512), jnp.ones((2, 256))
+
+  def grads(slices, dtype, logits_dtype):
+    def f(head):
+      h = hidden.astype(dtype)
+      if slices == 1:
+        logits = jnp.einsum("bse,ev->bsv", h, head.astype(dtype), preferred_element_type=logits_dtype)
+        return sum(loss.loss_sums(logits, targets, mask, 0.0))
+      return sum(loss.vocab_sliced_loss_sums(h, head, targets, mask, 0.0, slices, logits_dtype))
+
+    return jax.grad(f)(head)
+
+  exact = grads(1, jnp.float32, jnp.float32)
+  error = lambda g: float(jnp.max(jnp.abs(g - exact)))
+  sliced = grads(4, jnp.bfloat16, None)
+  assert sliced.dtype == jnp.float32
+  assert 0 < error(sliced) <= 1.5 * error(grads(1, jnp.bfloat16, None))
+
+
+def test_vocab_sliced_loss_never_holds_the_whole_logits():
+  hidden, head = jnp.zeros((8, 512, 64)), jnp.zeros((64, 4096))
+  targets, mask = jnp.zeros((8, 512), jnp.int32), jnp.ones((8, 512))
+
+  def temp_bytes(fn):
+    grad = jax.jit(jax.grad(lambda h, w: sum(fn(h, w)), argnums=(0, 1)))
+    return grad.lower(hidden, head).compile().memory_analysis().temp_size_in_bytes
+
+  whole = 8 * 512 * 4096 * 4  # the float32 logits
+  untiled = temp_bytes(lambda h, w: loss.loss_sums(jnp.einsum("bse,ev->bsv", h, w), targets, mask, 0.0))
+  sliced = temp_bytes(lambda h, w: loss.vocab_sliced_loss_sums(h, w, targets, mask, 0.0, 16))
+  assert untiled >= whole > 4 * sliced
+
+
+def test_auto_vocab_slices_keep_the_logits_per_device_under_256_mib():
+  tiny = make_config("model_name=tiny")
+  assert tiny.num_vocab_slices == -1 and tiny.vocab_slices == 1  # small logits: the whole-logits loss
+  # Llama 2 7B, 2 x 8192 tokens per device, float32 logits: 2 GB of logits -> 8 slices of 250 MiB.
+  llama = ("model_name=llama2-7b", "per_device_batch_size=2", "max_target_length=8192", "dtype=bfloat16")
+  assert make_config(*llama, "ici_fsdp_parallelism=4", num_devices=4).vocab_slices == 8
+  assert make_config(*llama, "logits_dot_in_fp32=false", num_devices=1).vocab_slices == 4
+  assert make_config(*llama, "num_vocab_tiling=4").vocab_slices == 1  # token tiling already splits them
+  assert make_config(*llama, "num_vocab_slices=1").vocab_slices == 1
+
+
+@pytest.mark.parametrize(
+  "overrides, error",
+  [
+    (("num_vocab_slices=3",), r"num_vocab_slices=3 must be -1 \(auto\) or a positive divisor of vocab_size=8192"),
+    (("num_vocab_slices=0",), r"num_vocab_slices=0 must be -1"),
+    (("num_vocab_slices=2", "num_vocab_tiling=2"), r"split the logits two ways; set one of them to 1"),
+  ],
+)
+def test_bad_vocab_slices_are_one_line(overrides, error):
+  with pytest.raises(ConfigError, match=error):
+    make_config(*RUN, *overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+    ("logits_via_embedding=true", "ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
+    ("model_name=tiny-moe", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+  ],
+  ids=["fsdp4_tensor2", "tied_fsdp2_sequence2_tensor2", "moe_expert2_fsdp2_tensor2"],
+)
+def test_training_with_vocab_slices_on_8_devices_matches_whole_logits_on_one(tmp_path, overrides):
+  one_device = [o for o in overrides if not o.startswith("ici_")]
+  np.testing.assert_allclose(
+    _losses(tmp_path, "num_vocab_slices=4", "per_device_batch_size=0.5", *overrides, "run_name=s8", num_devices=8),
+    _losses(tmp_path, "num_vocab_slices=1", *one_device, "run_name=one"),
+    rtol=1e-5,
+  )
 
 
 @pytest.mark.slow

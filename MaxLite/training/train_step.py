@@ -27,13 +27,15 @@ def batch_loss_sums(
   sums["loss_sum"]) is what the gradient is taken of; sums["count"] is what it is a sum over."""
   if config.use_dpo:
     return _dpo_loss_sums(params, reference, apply_fn, batch, rng, config)
-  tiled = config.num_vocab_tiling > 1
-  out, extra = _forward(params, apply_fn, batch, rng, return_hidden=tiled)
+  tiled, sliced = config.num_vocab_tiling > 1, config.vocab_slices > 1
+  out, extra = _forward(params, apply_fn, batch, rng, return_hidden=tiled or sliced)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  if tiled:
+  if tiled or sliced:
     hidden, head = out
-    xent_sum, z_sum = loss.tiled_loss_sums(
-      hidden, head, batch["targets"], mask, config.z_loss_multiplier, config.num_vocab_tiling, logits_dtype(config)
+    split_loss = loss.tiled_loss_sums if tiled else loss.vocab_sliced_loss_sums
+    n = config.num_vocab_tiling if tiled else config.vocab_slices
+    xent_sum, z_sum = split_loss(
+      hidden, head, batch["targets"], mask, config.z_loss_multiplier, n, logits_dtype(config)
     )
   else:
     xent_sum, z_sum = loss.loss_sums(out, batch["targets"], mask, config.z_loss_multiplier)
