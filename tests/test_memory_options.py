@@ -1,4 +1,4 @@
-"""Memory options: vocabulary-tiled and -sliced losses, host offload of state and activations, the largest buffers."""
+"""Memory options: vocabulary-tiled and -sliced losses, MLP token chunks, host offload, the largest buffers."""
 
 import json
 import os
@@ -202,6 +202,78 @@ def test_training_with_vocab_slices_on_8_devices_matches_whole_logits_on_one(tmp
   np.testing.assert_allclose(
     _losses(tmp_path, "num_vocab_slices=4", "per_device_batch_size=0.5", *overrides, "run_name=s8", num_devices=8),
     _losses(tmp_path, "num_vocab_slices=1", *one_device, "run_name=one"),
+    rtol=1e-5,
+  )
+
+
+def test_mlp_in_token_chunks_never_holds_all_its_activations():
+  from MaxLite.layers.mlp import MlpBlock
+
+  x = jax.random.normal(jax.random.key(6), (4, 512, 64))
+
+  def temp_bytes(chunks):
+    config = make_config(*RUN, "base_emb_dim=64", "base_mlp_dim=1024", f"num_mlp_chunks={chunks}")
+    block = MlpBlock(config)
+    params = block.init(jax.random.key(0), x)
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(block.apply(p, x) ** 2), argnums=(0, 1)))
+    return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+  one_activation = 4 * 512 * 1024 * 4  # gate, up and their product are each this large, float32
+  whole, chunked = temp_bytes(1), temp_bytes(8)
+  assert whole >= 2 * one_activation and chunked < whole / 4
+
+
+def test_auto_mlp_chunks_keep_one_mlp_activation_per_device_under_64_mib():
+  assert make_config("model_name=tiny").mlp_chunks == 1
+  # Llama 2 7B, 2 x 8192 tokens per device, bfloat16: a [tokens, 11008] activation is 344 MiB -> 8 parts of 43 MiB.
+  llama = ("model_name=llama2-7b", "per_device_batch_size=2", "max_target_length=8192", "dtype=bfloat16")
+  assert make_config(*llama, "remat_policy=full").mlp_chunks == 8
+  assert make_config(*llama, "remat_policy=minimal").mlp_chunks == 1  # only full remat recomputes the MLP anyway
+  assert make_config(*llama, "remat_policy=full", "num_mlp_chunks=2").mlp_chunks == 2
+  assert make_config("model_name=mixtral-8x7b", "max_target_length=8192", "remat_policy=full").mlp_chunks == 1
+
+
+@pytest.mark.parametrize(
+  "overrides, error",
+  [
+    (
+      ("num_mlp_chunks=3",),
+      r"num_mlp_chunks=3 must be -1 \(auto\) or a positive number that divides max_target_length=128",
+    ),
+    (("num_mlp_chunks=0",), r"num_mlp_chunks=0 must be -1"),
+  ],
+)
+def test_bad_mlp_chunks_are_one_line(overrides, error):
+  with pytest.raises(ConfigError, match=error):
+    make_config(*RUN, *overrides)
+
+
+def test_mlp_chunks_that_cannot_split_a_sequence_shard_are_one_line():
+  with pytest.raises(ConfigError, match=r"divides max_target_length=128 / sequence parallelism 2"):
+    make_config(*RUN, "num_mlp_chunks=128", "ici_sequence_parallelism=2", "ici_fsdp_parallelism=4", num_devices=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    ("remat_policy=full", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+    (
+      "remat_policy=full",
+      "fused_mlp=true",
+      "ici_fsdp_parallelism=2",
+      "ici_sequence_parallelism=2",
+      "ici_tensor_parallelism=2",
+    ),
+    ("remat_policy=minimal", "ici_fsdp_parallelism=8", "per_device_batch_size=1"),
+  ],
+  ids=["full_fsdp4_tensor2", "full_fused_fsdp2_sequence2_tensor2", "minimal_fsdp8"],
+)
+def test_training_with_mlp_chunks_equals_the_whole_mlp_on_8_devices(tmp_path, overrides):
+  run = ("per_device_batch_size=0.5", *overrides)  # a later per_device_batch_size wins
+  np.testing.assert_allclose(
+    _losses(tmp_path, "num_mlp_chunks=4", *run, "run_name=chunks", num_devices=8),
+    _losses(tmp_path, "num_mlp_chunks=1", *run, "run_name=whole", num_devices=8),
     rtol=1e-5,
   )
 

@@ -280,6 +280,30 @@ def _vocab_slices(c: dict[str, Any], micro_batch: int, num_devices: int) -> int:
   return n
 
 
+# Above this many bytes of one MLP activation ([tokens, mlp] per device) the MLP runs a part of the tokens at a time
+# (auto, under remat_policy=full): llama2-7b on v5p-8 at 2 x 8192 tokens (344 MiB, 8 parts) needs 1.65 GiB less.
+AUTO_MLP_CHUNK_BYTES = 64 * 2**20
+
+
+def _mlp_chunks(c: dict[str, Any], sequence_shards: int) -> int:
+  """num_mlp_chunks resolved; -1 = the fewest power-of-2 parts with at most AUTO_MLP_CHUNK_BYTES per activation."""
+  n, seq = c["num_mlp_chunks"], c["max_target_length"]
+  if n == -1:
+    if c["remat_policy"] != "full" or c["num_experts"] > 1:
+      return 1
+    hidden_bytes = c["per_device_batch_size"] * seq * c["base_mlp_dim"] * (4 if c["dtype"] == "float32" else 2)
+    n = 1
+    while hidden_bytes / n > AUTO_MLP_CHUNK_BYTES and seq % (2 * n * sequence_shards) == 0:
+      n *= 2
+    return n
+  if n < 1 or seq % (n * sequence_shards):
+    raise ConfigError(
+      f"num_mlp_chunks={n} must be -1 (auto) or a positive number that divides max_target_length={seq} / "
+      f"sequence parallelism {sequence_shards} (each part takes every {n}-th token of every sequence shard)"
+    )
+  return n
+
+
 def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, batch_shards: int) -> int:
   n = c["num_pipeline_microbatches"]
   if n == -1:
@@ -450,6 +474,7 @@ def validate_and_derive(
     checkpoint_dir=storage.join(run_dir, "checkpoints"),
     metrics_file=storage.join(run_dir, "metrics.jsonl"),
     vocab_slices=_vocab_slices(c, micro_batch, num_devices),
+    mlp_chunks=_mlp_chunks(c, sequence_shards),
     num_params=parameter_count(c),
     moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,

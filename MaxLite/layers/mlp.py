@@ -1,36 +1,65 @@
-"""SwiGLU feed-forward block (Shazeer 2020), as in Llama."""
+"""SwiGLU feed-forward block (Shazeer 2020), as in Llama, optionally a slice of the tokens at a time.
+
+The MLP is the only part of a layer that works on each token alone, and its [tokens, mlp] activations (gate, up,
+their product and the gradients of all three) are the largest buffers of a layer's backward pass. With
+`mlp_chunks` = n > 1 the block runs on 1/n of the tokens at a time, each slice under jax.checkpoint inside a scan,
+so the backward pass holds one slice's activations instead of all of them. Forward, the layer's own
+rematerialisation drops the block (nothing in the layer's backward needs its output), so the block is still made
+twice, not three times. Slice i takes every n-th token starting at i: a sequence split over `sequence` stays split.
+"""
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
 from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.layers.remat import remat_policy
 
 HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
+EMBED = ("activation_batch", "activation_length", "activation_embed")
 
 
 class MlpBlock(nn.Module):
   config: Config
 
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def setup(self):
     cfg = self.config
     kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), init_scale=cfg.dense_init_scale)
     if cfg.fused_mlp:  # gate and up from one [embed, 2, mlp] kernel: one matmul, one read of x
-      both = DenseGeneral((2, cfg.base_mlp_dim), ("embed", "num_activations", "mlp"), name="wi", **kw)(x)
-      both = checkpoint_name(nn.with_logical_constraint(both, (*HIDDEN[:2], None, HIDDEN[2])), "mlpwi")
+      self.wi = DenseGeneral((2, cfg.base_mlp_dim), ("embed", "num_activations", "mlp"), **kw)
+    else:
+      self.wi_0 = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), **kw)
+      self.wi_1 = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), **kw)
+    self.wo = DenseGeneral(cfg.base_emb_dim, ("mlp", "embed"), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n, (b, s, e) = self.config.mlp_chunks, x.shape
+    if n == 1 or s % n or self.is_initializing():  # decoding (one token a step) runs the whole block
+      return self.swiglu(x)
+    slices = jnp.moveaxis(x.reshape(b, s // n, n, e), 2, 0)  # [n, b, s/n, e]: slice i = tokens i, i+n, ...
+
+    def one_slice(block: MlpBlock, carry: None, x: jax.Array) -> tuple[None, jax.Array]:
+      return carry, block.swiglu(x)
+
+    # The layer's own remat policy inside: a policy that keeps the MLP's activations keeps them slice by slice.
+    one_slice = nn.remat(one_slice, policy=remat_policy(self.config), prevent_cse=False)
+    scan = nn.scan(one_slice, variable_broadcast="params", split_rngs={"params": False}, length=n)
+    _, out = scan(self, None, slices)
+    return nn.with_logical_constraint(jnp.moveaxis(out, 0, 2).reshape(b, s, e), EMBED)
+
+  def swiglu(self, x: jax.Array) -> jax.Array:
+    if self.config.fused_mlp:
+      both = checkpoint_name(nn.with_logical_constraint(self.wi(x), (*HIDDEN[:2], None, HIDDEN[2])), "mlpwi")
       gate, up = both[:, :, 0], both[:, :, 1]
     else:
-      gate = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), name="wi_0", **kw)(x)
-      up = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), name="wi_1", **kw)(x)
-      gate = checkpoint_name(nn.with_logical_constraint(gate, HIDDEN), "mlpwi_0")
-      up = checkpoint_name(nn.with_logical_constraint(up, HIDDEN), "mlpwi_1")
+      gate = checkpoint_name(nn.with_logical_constraint(self.wi_0(x), HIDDEN), "mlpwi_0")
+      up = checkpoint_name(nn.with_logical_constraint(self.wi_1(x), HIDDEN), "mlpwi_1")
     hidden = nn.with_logical_constraint(nn.silu(gate) * up, HIDDEN)
-    out = DenseGeneral(cfg.base_emb_dim, ("mlp", "embed"), name="wo", **kw)(hidden)
     # Constrained before it is named, so a saved copy is the shard activation_embed gives it (see attention.py).
-    out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_embed"))
+    out = nn.with_logical_constraint(self.wo(hidden), EMBED)
     return checkpoint_name(out, "mlpwo")
