@@ -299,7 +299,7 @@ def _mlp_chunks(c: dict[str, Any], sequence_shards: int) -> int:
   if n < 1 or seq % (n * sequence_shards):
     raise ConfigError(
       f"num_mlp_chunks={n} must be -1 (auto) or a positive number that divides max_target_length={seq} / "
-      f"sequence parallelism {sequence_shards} (each part takes every {n}-th token of every sequence shard)"
+      f"sequence parallelism {sequence_shards} (each part is 1/{n} of every sequence shard)"
     )
   return n
 
@@ -475,6 +475,7 @@ def validate_and_derive(
     metrics_file=storage.join(run_dir, "metrics.jsonl"),
     vocab_slices=_vocab_slices(c, micro_batch, num_devices),
     mlp_chunks=_mlp_chunks(c, sequence_shards),
+    sequence_shards=sequence_shards,  # how many pieces activation_length is split into
     num_params=parameter_count(c),
     moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,

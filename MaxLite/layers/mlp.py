@@ -5,14 +5,13 @@ their product and the gradients of all three) are the largest buffers of a layer
 `mlp_chunks` = n > 1 the block runs on 1/n of the tokens at a time, each slice under jax.checkpoint inside a scan,
 so the backward pass holds one slice's activations instead of all of them. Forward, the layer's own
 rematerialisation drops the block (nothing in the layer's backward needs its output), so the block is still made
-twice, not three times. Slice i takes every n-th token starting at i: a sequence split over `sequence` stays split.
+twice, not three times. Part i is the i-th run of consecutive tokens of every sequence shard.
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
@@ -38,19 +37,22 @@ class MlpBlock(nn.Module):
     self.wo = DenseGeneral(cfg.base_emb_dim, ("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n, (b, s, e) = self.config.mlp_chunks, x.shape
-    if n == 1 or s % n or self.is_initializing():  # decoding (one token a step) runs the whole block
+    n, shards, (b, s, e) = self.config.mlp_chunks, self.config.sequence_shards, x.shape
+    if n == 1 or s % (n * shards) or self.is_initializing():  # decoding (one token a step) runs the whole block
       return self.swiglu(x)
-    slices = jnp.moveaxis(x.reshape(b, s // n, n, e), 2, 0)  # [n, b, s/n, e]: slice i = tokens i, i+n, ...
+    # [b, shards, n, s / (shards n), e]: part i is the i-th run of consecutive tokens of every sequence shard, so a
+    # split sequence stays split (and llama2-7b on v5p-8 needs 0.25 GiB less than with every n-th token as a part).
+    parts = x.reshape(b, shards, n, s // (shards * n), e)
 
-    def one_slice(block: MlpBlock, carry: None, x: jax.Array) -> tuple[None, jax.Array]:
-      return carry, block.swiglu(x)
+    def one_part(block: MlpBlock, carry: None, x: jax.Array) -> tuple[None, jax.Array]:
+      *lead, c, e = x.shape  # [b, shards, c, e] -> [b, shards * c, e]: the MLP sees ordinary [batch, seq, embed] rows
+      return carry, block.swiglu(x.reshape(b, shards * c, e)).reshape(*lead, c, e)
 
     # The layer's own remat policy inside: a policy that keeps the MLP's activations keeps them slice by slice.
-    one_slice = nn.remat(one_slice, policy=remat_policy(self.config), prevent_cse=False)
-    scan = nn.scan(one_slice, variable_broadcast="params", split_rngs={"params": False}, length=n)
-    _, out = scan(self, None, slices)
-    return nn.with_logical_constraint(jnp.moveaxis(out, 0, 2).reshape(b, s, e), EMBED)
+    one_part = nn.remat(one_part, policy=remat_policy(self.config), prevent_cse=False)
+    scan = nn.scan(one_part, variable_broadcast="params", split_rngs={"params": False}, in_axes=2, out_axes=2, length=n)
+    _, out = scan(self, None, parts)
+    return nn.with_logical_constraint(out.reshape(b, s, e), EMBED)
 
   def swiglu(self, x: jax.Array) -> jax.Array:
     if self.config.fused_mlp:
