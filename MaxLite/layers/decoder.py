@@ -39,12 +39,12 @@ class DecoderLayer(nn.Module):
     h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
     h = Attention(cfg, self.decode, name="self_attention")(h, positions, segment_ids)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
-    h = RMSNorm(name="post_self_attention_norm", **norm)(x)
+    post_norm = RMSNorm(name="post_self_attention_norm", **norm)
     aux = None
     if cfg.num_experts > 1:
-      h, aux = MoeBlock(cfg, name="moe")(h, segment_ids != 0)
+      h, aux = MoeBlock(cfg, name="moe")(post_norm(x), segment_ids != 0)
     else:
-      h = MlpBlock(cfg, name="mlp")(h)
+      h = MlpBlock(cfg, norm=post_norm, name="mlp")(x)
     x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
     return nn.with_logical_constraint(x, EMBED_ACTIVATION), aux
 

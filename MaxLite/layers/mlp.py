@@ -24,7 +24,11 @@ EMBED = ("activation_batch", "activation_length", "activation_embed")
 
 
 class MlpBlock(nn.Module):
+  """SwiGLU of norm(x) when a norm is given: the layer's pre-MLP RMSNorm (its parameters stay the layer's) is then
+  made a part at a time too, so its float32 copy of the residual stream is one part's as well."""
+
   config: Config
+  norm: nn.Module | None = None
 
   def setup(self):
     cfg = self.config
@@ -55,6 +59,8 @@ class MlpBlock(nn.Module):
     return nn.with_logical_constraint(out.reshape(b, s, e), EMBED)
 
   def swiglu(self, x: jax.Array) -> jax.Array:
+    if self.norm is not None:
+      x = self.norm(x)
     if self.config.fused_mlp:
       both = checkpoint_name(nn.with_logical_constraint(self.wi(x), (*HIDDEN[:2], None, HIDDEN[2])), "mlpwi")
       gate, up = both[:, :, 0], both[:, :, 1]
