@@ -223,19 +223,9 @@ def test_mlp_in_token_chunks_never_holds_all_its_activations():
   assert whole >= 2 * one_activation and chunked < whole / 4
 
 
-def test_auto_mlp_chunks_keep_one_mlp_activation_per_device_under_32_mib_in_parts_of_1024_tokens():
-  assert make_config("model_name=tiny").mlp_chunks == 1
-  # Llama 2 7B, 2 x 8192 tokens per device, bfloat16: a [tokens, 11008] activation is 344 MiB -> 16 parts of 21.5.
-  llama = ("model_name=llama2-7b", "per_device_batch_size=2", "max_target_length=8192", "dtype=bfloat16")
-  assert make_config(*llama, "remat_policy=full").mlp_chunks == 16
-  # 2048 tokens (43 MiB) -> 2 parts; 1024 tokens of a 28672-wide MLP (56 MiB) stay whole: parts under 1024 tokens
-  # would make the matmuls too small.
-  assert make_config(*llama, "remat_policy=full", "per_device_batch_size=1", "max_target_length=2048").mlp_chunks == 2
-  wide = ("remat_policy=full", "per_device_batch_size=1", "max_target_length=1024", "base_mlp_dim=28672")
-  assert make_config(*llama, *wide).mlp_chunks == 1
-  assert make_config(*llama, "remat_policy=minimal").mlp_chunks == 1  # only full remat recomputes the MLP anyway
-  assert make_config(*llama, "remat_policy=full", "num_mlp_chunks=2").mlp_chunks == 2
-  assert make_config("model_name=mixtral-8x7b", "max_target_length=8192", "remat_policy=full").mlp_chunks == 1
+def test_mlp_chunks_are_whole_unless_asked_for():
+  assert make_config(*RUN).mlp_chunks == 1  # parts cost FSDP traffic per part: only on request
+  assert make_config(*RUN, "num_mlp_chunks=4").mlp_chunks == 4
 
 
 @pytest.mark.parametrize(
@@ -243,9 +233,9 @@ def test_auto_mlp_chunks_keep_one_mlp_activation_per_device_under_32_mib_in_part
   [
     (
       ("num_mlp_chunks=3",),
-      r"num_mlp_chunks=3 must be -1 \(auto\) or a positive number that divides max_target_length=128",
+      r"num_mlp_chunks=3 must be a positive number that divides max_target_length=128",
     ),
-    (("num_mlp_chunks=0",), r"num_mlp_chunks=0 must be -1"),
+    (("num_mlp_chunks=0",), r"num_mlp_chunks=0 must be a positive number"),
   ],
 )
 def test_bad_mlp_chunks_are_one_line(overrides, error):

@@ -280,33 +280,11 @@ def _vocab_slices(c: dict[str, Any], micro_batch: int, num_devices: int) -> int:
   return n
 
 
-# Above this many bytes of one MLP activation ([tokens, mlp] per device) the MLP runs a part of the tokens at a time
-# (auto, under remat_policy=full), in parts of at least MIN_MLP_PART_TOKENS tokens per device so the matmuls stay
-# large: llama2-7b on v5p-8 at 2 x 8192 tokens (a 344 MiB activation, 16 parts) needs 2.1 GiB less.
-AUTO_MLP_CHUNK_BYTES = 32 * 2**20
-MIN_MLP_PART_TOKENS = 1024
-
-
 def _mlp_chunks(c: dict[str, Any], sequence_shards: int) -> int:
-  """num_mlp_chunks resolved; -1 = the fewest power-of-2 parts with at most AUTO_MLP_CHUNK_BYTES per activation
-  (but none under MIN_MLP_PART_TOKENS tokens per device)."""
   n, seq = c["num_mlp_chunks"], c["max_target_length"]
-  if n == -1:
-    if c["remat_policy"] != "full" or c["num_experts"] > 1:
-      return 1
-    tokens = c["per_device_batch_size"] * seq
-    hidden_bytes = tokens * c["base_mlp_dim"] * (4 if c["dtype"] == "float32" else 2)
-    n = 1
-    while (
-      hidden_bytes / n > AUTO_MLP_CHUNK_BYTES
-      and tokens / (2 * n) >= MIN_MLP_PART_TOKENS
-      and seq % (2 * n * sequence_shards) == 0
-    ):
-      n *= 2
-    return n
   if n < 1 or seq % (n * sequence_shards):
     raise ConfigError(
-      f"num_mlp_chunks={n} must be -1 (auto) or a positive number that divides max_target_length={seq} / "
+      f"num_mlp_chunks={n} must be a positive number that divides max_target_length={seq} / "
       f"sequence parallelism {sequence_shards} (each part is 1/{n} of every sequence shard)"
     )
   return n

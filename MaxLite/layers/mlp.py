@@ -1,11 +1,12 @@
-"""SwiGLU feed-forward block (Shazeer 2020), as in Llama, optionally a slice of the tokens at a time.
+"""SwiGLU feed-forward block (Shazeer 2020), as in Llama, optionally a part of the tokens at a time.
 
 The MLP is the only part of a layer that works on each token alone, and its [tokens, mlp] activations (gate, up,
 their product and the gradients of all three) are the largest buffers of a layer's backward pass. With
-`mlp_chunks` = n > 1 the block runs on 1/n of the tokens at a time, each slice under jax.checkpoint inside a scan,
-so the backward pass holds one slice's activations instead of all of them. Forward, the layer's own
-rematerialisation drops the block (nothing in the layer's backward needs its output), so the block is still made
-twice, not three times. Part i is the i-th run of consecutive tokens of every sequence shard.
+`mlp_chunks` = n > 1 the block (and the layer's pre-MLP RMSNorm) runs on 1/n of the tokens at a time, each part under
+jax.checkpoint inside a scan, so the backward pass holds one part's activations instead of all of them. No matmul
+is added: the layer's own rematerialisation drops the block's forward pass (nothing in the layer's backward needs its
+output). The price is communication: under FSDP the weights are all-gathered, and their gradients reduce-scattered,
+inside the loop over parts, once per part. Part i is the i-th run of consecutive tokens of every sequence shard.
 """
 
 from __future__ import annotations

@@ -91,15 +91,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, frequencies: np.ndarray, scal
 
   Uses the "rotate half" layout (first half of head_dim paired with the second half), which is
   the layout of Hugging Face Llama and Qwen checkpoints, so their q/k weights need no permutation.
-  The angles, sin and cos are float32; the rotation itself runs in x's dtype, as in transformers and MaxText
-  (cos and sin cast to the query's dtype). A float32 rotation of bfloat16 queries and keys would keep float32 copies
-  of them, and of their gradients, in every layer's backward pass (llama2-7b on v5p-8: 0.3 GiB per chip at the peak).
   """
   half = x.shape[-1] // 2
   angle = positions[..., None].astype(jnp.float32) * jnp.asarray(frequencies, jnp.float32)  # [b, s, half]
   sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
   if scale != 1.0:
     sin, cos = sin * jnp.float32(scale), cos * jnp.float32(scale)
-  sin, cos = sin.astype(x.dtype), cos.astype(x.dtype)
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
