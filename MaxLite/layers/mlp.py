@@ -53,7 +53,7 @@ class MlpBlock(nn.Module):
       *lead, c, e = x.shape  # [b, shards, c, e] -> [b, shards * c, e]: the MLP sees ordinary [batch, seq, embed] rows
       return carry, block.swiglu(x.reshape(b, shards * c, e)).reshape(*lead, c, e)
 
-    # The layer's own remat policy inside: a policy that keeps the MLP's activations keeps them slice by slice.
+    # The layer's own remat policy inside: a policy that keeps the MLP's activations keeps them part by part.
     one_part = nn.remat(one_part, policy=remat_policy(self.config), prevent_cse=False)
     scan = nn.scan(one_part, variable_broadcast="params", split_rngs={"params": False}, in_axes=2, out_axes=2, length=n)
     _, out = scan(self, None, parts)

@@ -6,7 +6,7 @@ float32 logits (with Llama 3's 128k vocabulary they are the largest buffer in th
 token starting at i, so every batch and sequence shard contributes equally to every chunk and no chunk needs
 data from another device.
 
-Vocabulary slices (num_vocab_chunks = n > 1) split the other way: the output head's matmul, the loss and their
+Vocabulary slices (num_vocab_slices = n > 1) split the other way: the output head's matmul, the loss and their
 gradients run on 1/n of the vocabulary at a time, with an online log-sum-exp in the forward pass and the slice's
 logits made again in the backward pass. On a pod the head's weights and their gradient are whole (all-gathered,
 then reduce-scattered) while a slice is worked on, so slicing the vocabulary shrinks the gathered weights, the
@@ -23,8 +23,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from MaxLite.layers.decoder import EMBED_ACTIVATION
+
 LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
-HIDDEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
 def target_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -144,10 +145,10 @@ def _sliced_bwd(z, n, logits_dtype, residuals, cotangents):
     # [embed, vocab] gradient never exists. The hidden gradient adds up in float32 on its own shards.
     dw = jnp.einsum("bse,bsv->ev", h, d, preferred_element_type=jnp.float32)
     dw = nn.with_logical_constraint(dw.astype(head.dtype), ("embed", "vocab"))
-    dh_slice = nn.with_logical_constraint(jnp.einsum("bsv,ev->bse", d, w.astype(h.dtype)), HIDDEN_AXES)
+    dh_slice = nn.with_logical_constraint(jnp.einsum("bsv,ev->bse", d, w.astype(h.dtype)), EMBED_ACTIVATION)
     return dh + dh_slice.astype(jnp.float32), dw
 
-  dh = nn.with_logical_constraint(jnp.zeros(h.shape, jnp.float32), HIDDEN_AXES)
+  dh = nn.with_logical_constraint(jnp.zeros(h.shape, jnp.float32), EMBED_ACTIVATION)
   dh, dw_slices = jax.lax.scan(slice_grads, dh, (jnp.arange(n), _vocab_slices(head, n)))
   e, v = head.shape
   return dh.astype(h.dtype), jnp.moveaxis(dw_slices, 0, 2).reshape(e, v), None, None
