@@ -91,3 +91,38 @@ def test_the_fault_hook_hits_one_process_and_step_the_given_number_of_times(monk
     reads.read("/r/checkpoints/6", lambda: "six", sleep=slept.append)
   monkeypatch.setenv(reads.FAULT_ENV, "1:6:corrupt:-1")  # another process's fault
   assert reads.read("/r/checkpoints/6", lambda: "six") == "six"
+
+
+def test_a_failed_reads_orphaned_sibling_futures_stay_out_of_the_output_and_before_the_error_line(capsys):
+  """When one array of a restore fails, the other arrays' reads end in futures nobody awaits; asyncio logs each
+  when it is collected, possibly after the error line and with the whole tensorstore spec. CI once saw those
+  push the one `error:` line out of a run's last 50 lines."""
+  import asyncio
+  import logging
+  import sys
+
+  from MaxLite import cli
+  from MaxLite.cli.errors import CheckpointError
+
+  handler = logging.StreamHandler(sys.stderr)
+  handler.addFilter(cli._drop_sibling_read_failures)
+  asyncio_logger = logging.getLogger("asyncio")
+  asyncio_logger.addHandler(handler)
+
+  def entry(argv):
+    loop = asyncio.new_event_loop()
+    for text in ("OUT_OF_RANGE: reading x [tensorstore_spec='{}']", "a bug elsewhere"):
+      future = loop.create_future()
+      future.set_exception(ValueError(text))
+      future.cycle = future  # only the garbage collector frees it, at a time nobody chooses
+    loop.close()
+    raise CheckpointError("checkpoint /r/2 could not be read")
+
+  try:
+    assert cli.run(entry, []) == cli.BAD_INPUT
+  finally:
+    asyncio_logger.removeHandler(handler)
+  err = capsys.readouterr().err
+  assert "tensorstore_spec" not in err
+  assert "a bug elsewhere" in err  # other futures' errors still show
+  assert err.rstrip().splitlines()[-1] == "error: checkpoint /r/2 could not be read"

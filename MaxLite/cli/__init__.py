@@ -9,6 +9,7 @@ turns input the user can fix into one `error: ...` line with exit code 2, and ex
 from __future__ import annotations
 
 import argparse
+import gc
 import logging as std_logging
 import os
 import sys
@@ -31,11 +32,16 @@ def run(entry: Entry, argv: Sequence[str]) -> int:
   try:
     result = entry(list(argv))
   except MaxLiteError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return BAD_INPUT
+    message = f"error: {e}"
   except KeyboardInterrupt:
     return INTERRUPTED
-  return result if isinstance(result, int) else 0
+  else:
+    return result if isinstance(result, int) else 0
+  # Libraries' orphaned tasks and futures (a failed read's siblings) report themselves when collected: let
+  # that happen now, so the error line is the last thing the run prints.
+  gc.collect()
+  print(message, file=sys.stderr, flush=True)
+  return BAD_INPUT
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -77,6 +83,7 @@ def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -
 
   def absl_main(args: list[str]) -> None:
     logging.get_absl_handler().addFilter(_quiet_orbax_info)
+    logging.get_absl_handler().addFilter(_drop_sibling_read_failures)
     sys.unraisablehook = _drop_closed_loop_noise
     sys.exit(run(entry, args[1:]))
 
@@ -93,6 +100,14 @@ def _quiet_orbax_info(record: std_logging.LogRecord) -> bool:
     return True
   record.exc_info, record.exc_text = None, None
   return record.levelno >= std_logging.WARNING
+
+
+def _drop_sibling_read_failures(record: std_logging.LogRecord) -> bool:
+  """When one array of a checkpoint fails to read, orbax gives up on the restore and the other arrays'
+  tensorstore reads end in futures nobody awaits; asyncio logs each one (with the whole tensorstore spec)
+  when it is collected. The read that failed reaches MaxLite and is reported as one `error:` line."""
+  message = record.getMessage()
+  return not (record.name == "asyncio" and "exception was never retrieved" in message and "tensorstore_spec" in message)
 
 
 def _drop_closed_loop_noise(unraisable: sys.UnraisableHookArgs) -> None:
