@@ -218,6 +218,27 @@ def test_mlp_in_token_chunks_never_holds_all_its_activations():
   assert whole >= 2 * one_activation and chunked < whole / 4
 
 
+def test_bfloat16_weight_gradients_of_mlp_parts_stay_near_the_whole_blocks():
+  """Each device adds up its parts' weight gradients in the compute dtype (bfloat16 here) before the one
+  reduce-scatter: 16 parts measured 1.25x the whole block's distance from the float32 gradient (0.0074 vs 0.0060)."""
+  from MaxLite.layers.mlp import MlpBlock
+
+  x = jax.random.normal(jax.random.key(6), (2, 1024, 256))
+
+  def weight_grads(chunks, dtype):
+    sizes = ("max_target_length=1024", "base_emb_dim=256", "base_mlp_dim=1024")
+    config = make_config(*RUN, *sizes, f"num_mlp_chunks={chunks}", f"dtype={dtype}")
+    block = MlpBlock(config)
+    params = block.init(jax.random.key(0), x)
+    return jax.tree.leaves(jax.grad(lambda p: jnp.sum(block.apply(p, x).astype(jnp.float32) ** 2))(params))
+
+  def distance(got, exact):
+    return max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, exact))
+
+  exact = weight_grads(1, "float32")
+  assert distance(weight_grads(16, "bfloat16"), exact) <= 1.5 * distance(weight_grads(1, "bfloat16"), exact)
+
+
 def test_mlp_chunks_are_whole_unless_asked_for():
   assert make_config(*RUN).mlp_chunks == 1  # parts cost FSDP traffic per part: only on request
   assert make_config(*RUN, "num_mlp_chunks=4").mlp_chunks == 4
@@ -241,6 +262,29 @@ def test_bad_mlp_chunks_are_one_line(overrides, error):
 def test_mlp_chunks_that_cannot_split_a_sequence_shard_are_one_line():
   with pytest.raises(ConfigError, match=r"divides max_target_length=128 / sequence parallelism 2"):
     make_config(*RUN, "num_mlp_chunks=128", "ici_sequence_parallelism=2", "ici_fsdp_parallelism=4", num_devices=8)
+
+
+@pytest.mark.parametrize(
+  "layout",
+  [("ici_fsdp_parallelism=8",), ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2")],
+  ids=["fsdp8", "fsdp2_sequence2_tensor2"],
+)
+def test_mlp_chunks_move_no_more_between_devices_than_the_whole_mlp(layout):
+  """The weights are gathered and their gradients reduced once per layer, not once per part: the compiled step's
+  collective bytes (loop trip counts included) stay the whole MLP's. Gathering per part (the first version) moved
+  1.29x (fsdp8) and 1.09x as much here."""
+  from MaxLite.aot import compile_step
+  from MaxLite.config.choices import MESH_AXES
+  from MaxLite.planning import hlo_costs
+
+  def moved_bytes(chunks):
+    config = make_config(*RUN, "remat_policy=full", f"num_mlp_chunks={chunks}", *layout, num_devices=8)
+    text = compile_step.lower_train_step(config, first_devices(8))[0].compile().as_text()
+    return hlo_costs.summary(hlo_costs.device_ops(text, MESH_AXES, config.mesh_shape))["collective_bytes"]
+
+  whole, chunked = moved_bytes(1), moved_bytes(8)
+  print(f"collective bytes per step: whole MLP {whole:.0f}, 8 parts {chunked:.0f}")
+  assert whole > 0 and chunked <= 1.05 * whole, (whole, chunked)
 
 
 @pytest.mark.slow

@@ -462,6 +462,7 @@ def validate_and_derive(
     vocab_slices=_vocab_slices(c, micro_batch, num_devices),
     mlp_chunks=_mlp_chunks(c, sequence_shards),
     sequence_shards=sequence_shards,  # how many pieces activation_length is split into
+    activation_batch_shards=_activation_shards(c["logical_axis_rules"], "activation_batch", mesh),
     num_params=parameter_count(c),
     moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,

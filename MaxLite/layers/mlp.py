@@ -3,25 +3,37 @@
 The MLP is the only part of a layer that works on each token alone, and its [tokens, mlp] activations (gate, up,
 their product and the gradients of all three) are the largest buffers of a layer's backward pass. With
 `mlp_chunks` = n > 1 the block (and the layer's pre-MLP RMSNorm) runs on 1/n of the tokens at a time, each part under
-jax.checkpoint inside a scan, so the backward pass holds one part's activations instead of all of them. No matmul
-is added: the layer's own rematerialisation drops the block's forward pass (nothing in the layer's backward needs its
-output). The price is communication: under FSDP the weights are all-gathered, and their gradients reduce-scattered,
-inside the loop over parts, once per part. Part i is the i-th run of consecutive tokens of every sequence shard.
+jax.checkpoint inside a scan, so the backward pass holds one part's activations instead of all of them. Part i is
+the i-th run of consecutive tokens of every sequence shard. No matmul is added: the layer's own rematerialisation
+drops the block's forward pass (nothing in the layer's backward needs its output).
+
+Communication stays once per layer, as without parts: the weights are gathered (in the compute dtype) before the
+loop, and given a leading dimension per token shard ([token shards, embed, mlp], one whole copy per device, no copying
+between devices). Each device's weight gradient then adds up locally over the parts, and the sum over token shards, a
+reduce-scatter into the weights' own sharding, runs once after the loop. With the plain [embed, mlp] weights inside
+the loop, XLA gathers them and reduce-scatters their gradients once per part.
 """
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
-from MaxLite.layers.linears import DenseGeneral
+from MaxLite.layers.linears import DenseGeneral, cast_weight
+from MaxLite.layers.norms import rms_norm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.remat import remat_policy
 
 HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
 EMBED = ("activation_batch", "activation_length", "activation_embed")
+# A part's tokens grouped by the shard that holds them: [batch shards, batch / shards, sequence shards, tokens, ...].
+GROUPED = ("activation_batch", None, "activation_length", None)
+SHARD_COPIES = ("activation_batch", "activation_length")  # the leading dims of the per-shard weight copies
 
 
 class MlpBlock(nn.Module):
@@ -42,22 +54,39 @@ class MlpBlock(nn.Module):
     self.wo = DenseGeneral(cfg.base_emb_dim, ("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n, shards, (b, s, e) = self.config.mlp_chunks, self.config.sequence_shards, x.shape
-    if n == 1 or s % (n * shards) or self.is_initializing():  # decoding (one token a step) runs the whole block
+    cfg, (b, s, e) = self.config, x.shape
+    n, batch_shards, seq_shards = cfg.mlp_chunks, cfg.activation_batch_shards, cfg.sequence_shards
+    if n == 1 or s % (n * seq_shards) or b % batch_shards or self.is_initializing():  # decoding: the whole block
       return self.swiglu(x)
-    # [b, shards, n, s / (shards n), e]: part i is the i-th run of consecutive tokens of every sequence shard, so a
-    # split sequence stays split (and llama2-7b on v5p-8 needs 0.25 GiB less than with every n-th token as a part).
-    parts = x.reshape(b, shards, n, s // (shards * n), e)
+    c = s // (seq_shards * n)
+    # [parts, batch shards, batch / shards, sequence shards, c, e]: every device's tokens of part i, in one slot.
+    parts = x.reshape(batch_shards, b // batch_shards, seq_shards, n, c, e)
+    parts = jnp.moveaxis(nn.with_logical_constraint(parts, (*GROUPED, None, "activation_embed")), 3, 0)
+    weights = self._weights_per_shard(batch_shards, seq_shards)
+    epsilon = self.norm.epsilon if self.norm is not None else None
+    swiglu = functools.partial(_swiglu_part, fused=cfg.fused_mlp, epsilon=epsilon)
+    one_part = jax.checkpoint(swiglu, policy=remat_policy(cfg), prevent_cse=False)
 
-    def one_part(block: MlpBlock, carry: None, x: jax.Array) -> tuple[None, jax.Array]:
-      *lead, c, e = x.shape  # [b, shards, c, e] -> [b, shards * c, e]: the MLP sees ordinary [batch, seq, embed] rows
-      return carry, block.swiglu(x.reshape(b, shards * c, e)).reshape(*lead, c, e)
+    def step(carry: None, part: jax.Array) -> tuple[None, jax.Array]:
+      return carry, one_part(weights, part)
 
-    # The layer's own remat policy inside: a policy that keeps the MLP's activations keeps them part by part.
-    one_part = nn.remat(one_part, policy=remat_policy(self.config), prevent_cse=False)
-    scan = nn.scan(one_part, variable_broadcast="params", split_rngs={"params": False}, in_axes=2, out_axes=2, length=n)
-    _, out = scan(self, None, parts)
-    return nn.with_logical_constraint(out.reshape(b, s, e), EMBED)
+    _, out = jax.lax.scan(step, None, parts)
+    return nn.with_logical_constraint(jnp.moveaxis(out, 0, 3).reshape(b, s, e), EMBED)
+
+  def _weights_per_shard(self, batch_shards: int, seq_shards: int) -> dict[str, jax.Array]:
+    """The block's weights in the compute dtype, whole over embed, one copy per token shard (see the docstring)."""
+    dtype = dtype_of(self.config.dtype)
+    names = ("wi", "wo") if self.config.fused_mlp else ("wi_0", "wi_1", "wo")
+    weights = {}
+    for name in names:
+      dense: DenseGeneral = getattr(self, name)
+      kernel = cast_weight(nn.unbox(dense.variables["params"]["kernel"]), dtype)
+      axes = tuple(None if a == "embed" else "activation_mlp" if a == "mlp" else None for a in dense.logical_axes)
+      copies = jnp.broadcast_to(kernel, (batch_shards, seq_shards, *kernel.shape))
+      weights[name] = nn.with_logical_constraint(copies, (*SHARD_COPIES, *axes))
+    if self.norm is not None:
+      weights["norm"] = nn.unbox(self.norm.variables["params"]["scale"])
+    return weights
 
   def swiglu(self, x: jax.Array) -> jax.Array:
     if self.norm is not None:
@@ -72,3 +101,27 @@ class MlpBlock(nn.Module):
     # Constrained before it is named, so a saved copy is the shard activation_embed gives it (see attention.py).
     out = nn.with_logical_constraint(self.wo(hidden), EMBED)
     return checkpoint_name(out, "mlpwo")
+
+
+def _swiglu_part(weights: dict[str, jax.Array], x: jax.Array, fused: bool, epsilon: float | None) -> jax.Array:
+  """MlpBlock.swiglu on one part, x: [batch shards, batch / shards, sequence shards, c, embed], with the per-shard
+  weight copies: every contraction is within a shard, so nothing here moves between devices but x's embed."""
+  dtype = weights["wo"].dtype
+  if "norm" in weights:
+    x = rms_norm(x, weights["norm"], epsilon, dtype)
+  x = jnp.asarray(x, dtype)
+  hidden_axes = (*GROUPED, "activation_mlp")
+  if fused:
+    both = jnp.einsum("gbsce,gseam->gbscam", x, weights["wi"])
+    both = checkpoint_name(nn.with_logical_constraint(both, (*GROUPED, None, "activation_mlp")), "mlpwi")
+    gate, up = both[..., 0, :], both[..., 1, :]
+  else:
+    gate = jnp.einsum("gbsce,gsem->gbscm", x, weights["wi_0"])
+    gate = checkpoint_name(nn.with_logical_constraint(gate, hidden_axes), "mlpwi_0")
+    up = jnp.einsum("gbsce,gsem->gbscm", x, weights["wi_1"])
+    up = checkpoint_name(nn.with_logical_constraint(up, hidden_axes), "mlpwi_1")
+  hidden = nn.with_logical_constraint(nn.silu(gate) * up, hidden_axes)
+  out = nn.with_logical_constraint(
+    jnp.einsum("gbscm,gsme->gbsce", hidden, weights["wo"]), (*GROUPED, "activation_embed")
+  )
+  return checkpoint_name(out, "mlpwo")

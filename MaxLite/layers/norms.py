@@ -9,6 +9,14 @@ import jax.numpy as jnp
 from MaxLite.layers.quantities import DType
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, dtype: DType) -> jax.Array:
+  """x / rms(x) * scale, in `dtype`; the statistics in float32 even for bfloat16 activations (the mean of
+  squares loses too much otherwise)."""
+  x32 = jnp.asarray(x, jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon)
+  return jnp.asarray(normed * jnp.asarray(scale, jnp.float32), dtype)
+
+
 class RMSNorm(nn.Module):
   epsilon: float = 1e-5
   dtype: DType = jnp.float32
@@ -16,10 +24,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    # Statistics in float32 even for bfloat16 activations: the mean of squares loses too much otherwise.
-    x32 = jnp.asarray(x, jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
     scale = self.param(
       "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.weight_dtype
     )
-    return jnp.asarray(normed * jnp.asarray(scale, jnp.float32), self.dtype)
+    return rms_norm(x, scale, self.epsilon, self.dtype)
