@@ -11,7 +11,9 @@ Communication stays once per layer, as without parts: the weights are gathered (
 loop, and given a leading dimension per token shard ([token shards, embed, mlp], one whole copy per device, no copying
 between devices). Each device's weight gradient then adds up locally over the parts, and the sum over token shards, a
 reduce-scatter into the weights' own sharding, runs once after the loop. With the plain [embed, mlp] weights inside
-the loop, XLA gathers them and reduce-scatters their gradients once per part.
+the loop, XLA gathers them and reduce-scatters their gradients once per part. The price is memory: the copies and
+the summed gradients hold a layer's whole MLP weights twice over, so parts pay off where a layer's MLP activations
+per device are larger than its MLP weights (llama2-7b at 16k tokens per device: -1.1 GiB; the v5e 64B recipe: +1.0).
 """
 
 from __future__ import annotations
