@@ -31,10 +31,12 @@ class Chip:
 
 # Cloud TPU's published per-chip figures (cloud.google.com/tpu/docs: v4, v5e, v5p, v6e system architecture pages).
 # DCN is not published per chip: 50 Gbit/s is an estimate (hosts have 100-400 Gbit/s NICs shared by 4-8 chips).
+# HBM of v5p and v5e: what libtpu's compiler lets one program use, from its RESOURCE_EXHAUSTED message here ("95.74G
+# hbm", "15.75G hbm"), not the nominal 95 / 16 GiB: a program between 15.75 and 16 GiB does not run on a v5e chip.
 CHIPS = {
   "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 2400.0, 50.0),
-  "v5p": Chip("v5p", 2, 3, 95 * GiB, 459.0, "megacore", 2765.0, 4800.0, 50.0),
-  "v5e": Chip("v5e", 1, 2, 16 * GiB, 197.0, None, 819.0, 1600.0, 50.0),
+  "v5p": Chip("v5p", 2, 3, int(95.74 * GiB), 459.0, "megacore", 2765.0, 4800.0, 50.0),
+  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 1600.0, 50.0),
   "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 3584.0, 50.0),
 }
 

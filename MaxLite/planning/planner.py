@@ -156,7 +156,7 @@ def explain(r: search.Result, target: topologies.Target) -> str:
     f"+ exposed ICI {p['exposed_ici_s']:.4f} (of {p['ici_s']:.4f}) + exposed DCN {p['exposed_dcn_s']:.4f} "
     f"(of {p['dcn_s']:.4f})",
     f"  MFU {100 * p['mfu']:.1f}%, {p['tokens_per_s_per_chip']:,.0f} tokens/s/chip, bottleneck {r.bottleneck}",
-    f"  device memory {r.device_bytes / GiB:.2f} GiB of {target.chip.hbm_bytes / GiB:.0f}, "
+    f"  device memory {r.device_bytes / GiB:.2f} GiB of {target.chip.hbm_bytes / GiB:.4g}, "
     f"host {r.host_bytes / GiB:.2f} GiB",
     "  largest collectives (per step):",
   ]
@@ -204,6 +204,6 @@ def _nothing_fits(raw: dict[str, Any], target: topologies.Target, num_slices: in
   return (
     f"model {raw['model_name']} cannot fit on {target.name}: every plan needs at least {smallest / GiB:.1f} GiB per "
     f"device (train state and the activations its remat policy keeps), a {target.chip.family} chip has "
-    f"{target.chip.hbm_bytes / GiB:.0f} GiB; it needs at least {chips} chips ({target.chip.family}-"
+    f"{target.chip.hbm_bytes / GiB:.4g} GiB; it needs at least {chips} chips ({target.chip.family}-"
     f"{chips * target.chip.cores_per_chip})"
   )
