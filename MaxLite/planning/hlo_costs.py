@@ -381,8 +381,12 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
   if instr.opcode != "fusion" or not inner:
     if instr.opcode == "dynamic-slice":
       return 2.0 * array_bytes(instr.shape)
-    if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
+    if instr.opcode in ("dynamic-update-slice", "dynamic-update-slice-start") and len(instr.operands) > 1:
       return 2.0 * array_bytes(shapes.get(instr.operands[1], ""))
+    if instr.opcode == "dynamic-slice-start":  # async (a layer's slice of a host-offloaded stack): its shape is
+      # (operands, slice, context); the slice is what moves, not the whole stack it is cut from
+      operands = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
+      return 2.0 * max(array_bytes(instr.shape) - operands - array_bytes("u32[]"), 0)
     return sum(array_bytes(shapes.get(o, "")) for o in instr.operands) + array_bytes(instr.shape)
   params = {int(i.args): i.name for i in inner if i.opcode == "parameter" and i.args.isdigit()}
   users: dict[str, list[_Instr]] = defaultdict(list)
