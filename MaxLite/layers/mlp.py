@@ -83,7 +83,7 @@ class MlpBlock(nn.Module):
     for name in names:
       dense: DenseGeneral = getattr(self, name)
       kernel = cast_weight(nn.unbox(dense.variables["params"]["kernel"]), dtype)
-      axes = tuple(None if a == "embed" else "activation_mlp" if a == "mlp" else None for a in dense.logical_axes)
+      axes = tuple("activation_mlp" if a == "mlp" else None for a in dense.logical_axes)  # whole over embed
       copies = jnp.broadcast_to(kernel, (batch_shards, seq_shards, *kernel.shape))
       weights[name] = nn.with_logical_constraint(copies, (*SHARD_COPIES, *axes))
     if self.norm is not None:
