@@ -18,9 +18,9 @@ from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.rope import apply_rope, rope_frequencies
 from MaxLite.layers.splash import splash_attention
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 BATCH, LENGTH = "activation_batch", "activation_length"
-EMBED = (BATCH, LENGTH, "activation_embed")
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully padded rows stay NaN-free
 
 
@@ -123,7 +123,7 @@ class Attention(nn.Module):
     )(out)
     # Constrained before it is named: with activation_embed split over `tensor` the saved copy is the
     # reduce-scattered shard, not the all-reduced whole.
-    return checkpoint_name(nn.with_logical_constraint(out, EMBED), "out_proj")
+    return checkpoint_name(nn.with_logical_constraint(out, EMBED_ACTIVATION), "out_proj")
 
   def _update_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple:
     b, length = k.shape[0], self.config.max_target_length

@@ -19,8 +19,7 @@ from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.pipeline import run_pipeline
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.remat import remat_policy
-
-EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 
 class DecoderLayer(nn.Module):

@@ -30,9 +30,9 @@ from MaxLite.layers.linears import DenseGeneral, cast_weight
 from MaxLite.layers.norms import rms_norm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.remat import remat_policy
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
-EMBED = ("activation_batch", "activation_length", "activation_embed")
 # A part's tokens grouped by the shard that holds them: [batch shards, batch / shards, sequence shards, tokens, ...].
 GROUPED = ("activation_batch", None, "activation_length", None)
 SHARD_COPIES = ("activation_batch", "activation_length")  # the leading dims of the per-shard weight copies
@@ -73,7 +73,7 @@ class MlpBlock(nn.Module):
       return carry, one_part(weights, part)
 
     _, out = jax.lax.scan(step, None, parts)
-    return nn.with_logical_constraint(jnp.moveaxis(out, 0, 3).reshape(b, s, e), EMBED)
+    return nn.with_logical_constraint(jnp.moveaxis(out, 0, 3).reshape(b, s, e), EMBED_ACTIVATION)
 
   def _weights_per_shard(self, batch_shards: int, seq_shards: int) -> dict[str, jax.Array]:
     """The block's weights in the compute dtype, whole over embed, one copy per token shard (see the docstring)."""
@@ -101,7 +101,7 @@ class MlpBlock(nn.Module):
       up = checkpoint_name(nn.with_logical_constraint(self.wi_1(x), HIDDEN), "mlpwi_1")
     hidden = nn.with_logical_constraint(nn.silu(gate) * up, HIDDEN)
     # Constrained before it is named, so a saved copy is the shard activation_embed gives it (see attention.py).
-    out = nn.with_logical_constraint(self.wo(hidden), EMBED)
+    out = nn.with_logical_constraint(self.wo(hidden), EMBED_ACTIVATION)
     return checkpoint_name(out, "mlpwo")
 
 

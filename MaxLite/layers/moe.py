@@ -19,6 +19,7 @@ from MaxLite.config import Config
 from MaxLite.layers.linears import DenseGeneral, cast_weight
 from MaxLite.layers.moe_sparse import GroupedMatmul, sparse_experts
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 # Dispatched activations: [experts, batch, capacity, features]. Their batch must not use the expert
 # mesh axis, which the experts dimension already occupies.
@@ -127,7 +128,7 @@ class MoeBlock(nn.Module):
         cfg.ragged_buffer_factor,
         GroupedMatmul(cfg.megablox, cfg.megablox_interpret),
       )
-      y = nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
+      y = nn.with_logical_constraint(y, EMBED_ACTIVATION)
       return checkpoint_name(y, "mlpwo"), {**aux, "dropped": dropped}
     capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
     dispatch, combine, aux = route(router_logits, mask, cfg.num_experts_per_tok, capacity, cfg.norm_topk_prob)
@@ -140,5 +141,5 @@ class MoeBlock(nn.Module):
     hidden = nn.with_logical_constraint(nn.silu(gate) * up, EXPERT_HIDDEN)
     out = nn.with_logical_constraint(jnp.einsum("ebcm,emd->ebcd", hidden, wo), EXPERT_ACTIVATION)
     y = jnp.einsum("ebcd,bsec->bsd", checkpoint_name(out, "moe_mlpwo"), combine.astype(dtype))
-    y = nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
+    y = nn.with_logical_constraint(y, EMBED_ACTIVATION)
     return checkpoint_name(y, "mlpwo"), aux

@@ -18,7 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-STATE_ACTIVATION = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
+
+STATE_ACTIVATION = ("activation_stage", *EMBED_ACTIVATION)
 STATE_IDS = ("activation_stage", "activation_batch", "activation_length")
 
 # layer_fn(params of one layer, x, positions, segment_ids, rng) -> (x, aux or None)

@@ -12,6 +12,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxLite.config import Config
 
+# The residual stream's logical axes: every layer constrains its input and output to these.
+EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
+
 
 def axis_rules(config: Config) -> tuple[tuple[str, Any], ...]:
   """Rules in flax's form: a mesh axis name, a tuple of them, or None for replicated."""

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from MaxLite.layers.decoder import EMBED_ACTIVATION
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
