@@ -339,11 +339,17 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
   for name in computations:
     if name not in scheduled or runs.get(name, 0) == 0:
       continue
-    pending: dict[str, Op] = {}
+    pending: dict[str, Op] = {}  # open async collectives, by their start's name (or the channel they carry)
+    async_channels = {
+      ch for i in computations[name] if _fused_async(i, computations) == "start" for ch in _carried(i, computations)[1]
+    }
     for instr in computations[name]:
-      if instr.opcode.endswith("-done"):  # kept (at no cost) so the model sees where the wait ends
-        if instr.operands and instr.operands[0] in pending:
-          pending.pop(instr.operands[0]).done = instr.name
+      fused_async = _fused_async(instr, computations)
+      if instr.opcode.endswith("-done") or fused_async == "done":  # kept (at no cost): where the wait ends
+        keys = _carried(instr, computations)[1] if fused_async else instr.operands[:1]
+        for key in keys:
+          if key in pending:
+            pending.pop(key).done = instr.name
         ops.append(Op(instr.name, instr.opcode, name, runs[name]))
         continue
       if instr.opcode in _FREE:
@@ -356,28 +362,63 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
       elif instr.opcode == "custom-call":
         op.flops += _custom_call_flops(instr)
         op.grouped_matmul = bool(_GROUPED_MATMUL.search(instr.attrs))
-      kind = _collective_kind(instr.opcode)
+      kind, carrier = _collective_kind(instr.opcode), instr
       if instr.opcode == "async-start":
         inner = [i for _, c in _called(instr.attrs) for i in computations.get(c, [])]
-        kind = next((_collective_kind(i.opcode) for i in inner if _collective_kind(i.opcode)), "")
-        attrs = next((i.attrs for i in inner if _collective_kind(i.opcode)), instr.attrs)
-      else:
-        attrs = instr.attrs
+        carrier = next((i for i in inner if _collective_kind(i.opcode)), instr)
+        kind = _collective_kind(carrier.opcode)
+      elif instr.opcode == "fusion":
+        carried, channels = _carried(instr, computations)
+        # A fusion carrying a collective: the start of an async one (TPU's async collective fusion), or a
+        # synchronous one (e.g. an all-reduce-scatter fusion). The fusions between an async start and its done
+        # that hold a copy of the collective are compute it overlaps, costed as such.
+        if carried and (fused_async == "start" or not channels & async_channels):
+          carrier, kind = carried[0], _collective_kind(carried[0].opcode)
+          if kind == "all-reduce" and array_bytes(instr.shape) < array_bytes(carrier.shape):
+            kind = "reduce-scatter"  # all-reduce then this device's slice: a reduce-scatter on the wire
       if kind:
         op.collective = kind
-        op.axes, op.group_size = _group_axes(attrs, mesh_axes, mesh_shape)
-        op.moved_bytes = _moved_bytes(kind, instr, shapes, op.group_size)
+        op.axes, op.group_size = _group_axes(carrier.attrs, mesh_axes, mesh_shape)
+        op.moved_bytes = _moved_bytes(kind, carrier, shapes, op.group_size)
         op.hbm_bytes = 0.0  # a collective's time is its link time (below); its HBM traffic overlaps it
         if instr.opcode.endswith("-start"):
           pending[instr.name] = op
+        elif fused_async == "start":
+          pending.update({ch: op for ch in _carried(instr, computations)[1]})
       ops.append(op)
   return ops
+
+
+def _body(instr: _Instr, computations: dict[str, list[_Instr]]) -> list[_Instr]:
+  return computations.get(next((c for r, c in _called(instr.attrs) if r == "calls"), ""), [])
+
+
+def _carried(instr: _Instr, computations: dict[str, list[_Instr]]) -> tuple[list[_Instr], set[str]]:
+  """(the collectives inside a fusion, their channel ids)."""
+  if instr.opcode != "fusion":
+    return [], set()
+  carried = [i for i in _body(instr, computations) if _collective_kind(i.opcode)]
+  channels = {m.group(1) for i in carried if (m := re.search(r"channel_id=(\d+)", i.attrs))}
+  return carried, channels
+
+
+def _fused_async(instr: _Instr, computations: dict[str, list[_Instr]]) -> str:
+  """ "start" or "done" for the two ends of a TPU async collective fusion, else ""."""
+  if instr.opcode != "fusion":
+    return ""
+  for inner in _body(instr, computations):
+    if inner.opcode == "custom-call":
+      if 'custom_call_target="AsyncCollectiveStart"' in inner.attrs:
+        return "start"
+      if 'custom_call_target="AsyncCollectiveDone"' in inner.attrs:
+        return "done"
+  return ""
 
 
 def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dict[str, str]) -> float:
   """Bytes an op reads and writes in HBM: its operands and result, except that a slice of a big buffer reads only
   the slice and an in-place update (the scan's per-layer stacking) writes only the update."""
-  inner = computations.get(next((c for r, c in _called(instr.attrs) if r == "calls"), ""), [])
+  inner = _body(instr, computations)
   if instr.opcode != "fusion" or not inner:
     if instr.opcode == "dynamic-slice":
       return 2.0 * array_bytes(instr.shape)
@@ -388,26 +429,52 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
       operands = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
       return 2.0 * max(array_bytes(instr.shape) - operands - array_bytes("u32[]"), 0)
     return sum(array_bytes(shapes.get(o, "")) for o in instr.operands) + array_bytes(instr.shape)
-  params = {int(i.args): i.name for i in inner if i.opcode == "parameter" and i.args.isdigit()}
-  users: dict[str, list[_Instr]] = defaultdict(list)
-  for i in inner:
-    for o in i.operands:
-      users[o].append(i)
-  root = inner[-1] if inner else None
-  in_place = root is not None and root.opcode == "dynamic-update-slice"
+  params = _params(inner)
+  by_name = {i.name: i for i in inner}
+  root = inner[-1]
+  outputs = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
   total = 0.0
-  for index, operand in enumerate(instr.operands):
-    param = params.get(index)
-    uses = users.get(param, []) if param else []
-    if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == param for u in uses):
-      total += sum(array_bytes(u.shape) for u in uses)
-    elif in_place and uses and all(u is root and u.operands[0] == param for u in uses):
-      continue  # the buffer updated in place: neither read nor written whole
+  for out in outputs:
+    if out.opcode == "parameter" or _collective_kind(out.opcode) or "AsyncCollective" in out.attrs:
+      continue  # passed through (aliased), or a collective's buffer: no HBM traffic of this op's own
+    if out.opcode == "dynamic-update-slice" and out.operands[0] in params.values() and len(out.operands) > 1:
+      total += array_bytes(shapes.get(out.operands[1], ""))  # updated in place: only the update is written
     else:
-      total += array_bytes(shapes.get(operand, ""))
-  if in_place and len(root.operands) > 1:
-    return total + array_bytes(shapes.get(root.operands[1], ""))
-  return total + array_bytes(instr.shape)
+      total += array_bytes(out.shape)
+  for index, operand in enumerate(instr.operands):
+    full = array_bytes(shapes.get(operand, ""))
+    total += min(full, _read_bytes(inner, index, full, computations)) if index in params else full
+  return total
+
+
+def _params(body: list[_Instr]) -> dict[int, str]:
+  return {int(i.args): i.name for i in body if i.opcode == "parameter" and i.args.isdigit()}
+
+
+def _read_bytes(body: list[_Instr], index: int, full: int, computations: dict[str, list[_Instr]]) -> float:
+  """Bytes a fusion body reads of its parameter `index`: the slices it cuts (also inside nested fusions), nothing
+  if it does not use it, only passes it through, updates it in place or hands it to a collective, else all of it."""
+  param = _params(body)[index]
+  root = body[-1]
+  outputs = set(root.operands) if root.opcode == "tuple" else {root.name}
+  read = 0.0
+  uses = [i for i in body if param in i.operands]
+  for use in uses:
+    if use.opcode == "dynamic-slice" and use.operands[0] == param:
+      read += array_bytes(use.shape)
+    elif use is root and use.opcode == "tuple":
+      continue
+    elif use.opcode == "dynamic-update-slice" and use.operands[0] == param and use.name in outputs:
+      continue
+    elif _collective_kind(use.opcode):
+      continue
+    elif use.opcode == "fusion" and _body(use, computations):
+      read += sum(
+        _read_bytes(_body(use, computations), k, full, computations) for k, o in enumerate(use.operands) if o == param
+      )
+    else:
+      return full
+  return read
 
 
 def _moved_bytes(kind: str, instr: _Instr, shapes: dict[str, str], n: int) -> float:
