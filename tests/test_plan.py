@@ -351,3 +351,61 @@ def test_tpu_async_collective_fusions_are_collectives_and_their_passed_through_b
   net = perf_model.Interconnect(perf_model.CPU_CHIP, (4,), {"fsdp": 4}, {})
   prediction = perf_model.predict(list(ops.values()), net, 1.0, 1.0)
   assert prediction.ici_s == pytest.approx(net.seconds(start) + net.seconds(ops["rs"]))
+
+
+_STATE = "(bf16[4,8]{1,0}, bf16[16,8]{1,0}, u32[], bf16[64,32,8]{2,1,0}, bf16[64,32,8]{2,1,0}, bf16[8,8]{1,0}, s32[])"
+# The same collective with its work in a loop between start and done (the windowed-einsum loops of MaxText's v5p
+# 128B recipe): the copy inside the loop body is work, not a second collective.
+_ASYNC_ACROSS_A_LOOP_HLO = "\n".join(
+  _ASYNC_FUSION_HLO.split("\n")[: _ASYNC_FUSION_HLO.split("\n").index("%rs_body (r0: f32[32,8]) -> f32[8,8] {")]
+  + [
+    f"%loop_cond (lc: {_STATE}) -> pred[] {{",
+    f"  %lc = {_STATE} parameter(0)",
+    "  ROOT %always = pred[] constant(true)",
+    "}",
+    f"%loop_body (lb: {_STATE}) -> {_STATE} {{",
+    f"  %lb = {_STATE} parameter(0)",
+    *[f"  %b{k} = {t} get-tuple-element(%lb), index={k}" for k, t in enumerate(_STATE[1:-1].split(", "))],
+    "  %work = (bf16[64,32,8]{2,1,0}, bf16[4,8]{1,0}, bf16[16,8]{1,0}, u32[]) fusion(%b0, %b1, %b2, %b3, %b4, %b5, "
+    "%b6), kind=kOutput, calls=%work_body",
+    *[f"  %n{k} = {t} get-tuple-element(%work), index={k}" for k, t in enumerate(_STATE[1:-1].split(", ")[:4])],
+    f"  ROOT %next = {_STATE} tuple(%n1, %n2, %n3, %n0, %b4, %b5, %b6)",
+    "}",
+    "ENTRY %main (w: bf16[4,8], stack: bf16[64,32,8], saved: bf16[64,32,8], v: bf16[8,8], i: s32[]) -> bf16[16,8] {",
+    "  %w = bf16[4,8]{1,0} parameter(0)",
+    "  %stack = bf16[64,32,8]{2,1,0} parameter(1)",
+    "  %saved = bf16[64,32,8]{2,1,0} parameter(2)",
+    "  %v = bf16[8,8]{1,0} parameter(3)",
+    "  %i = s32[] parameter(4)",
+    "  %start = (bf16[4,8]{1,0}, bf16[16,8]{1,0}, u32[]) fusion(%w), kind=kCustom, calls=%start_body",
+    "  %t0 = bf16[4,8]{1,0} get-tuple-element(%start), index=0",
+    "  %t1 = bf16[16,8]{1,0} get-tuple-element(%start), index=1",
+    "  %t2 = u32[] get-tuple-element(%start), index=2",
+    f"  %init = {_STATE} tuple(%t0, %t1, %t2, %stack, %saved, %v, %i)",
+    f'  %loop = {_STATE} while(%init), condition=%loop_cond, body=%loop_body, backend_config={{"known_trip_count":'
+    '{"n":"3"}}',
+    "  %u0 = bf16[4,8]{1,0} get-tuple-element(%loop), index=0",
+    "  %u1 = bf16[16,8]{1,0} get-tuple-element(%loop), index=1",
+    "  %u2 = u32[] get-tuple-element(%loop), index=2",
+    "  ROOT %done = bf16[16,8]{1,0} fusion(%u0, %u1, %u2), kind=kCustom, calls=%done_body",
+    "}",
+  ]
+)
+
+
+def test_an_async_collective_fusions_work_inside_a_loop_is_work_and_the_loop_hides_the_collective():
+  ops = hlo_costs.device_ops(_ASYNC_ACROSS_A_LOOP_HLO, ("fsdp",), (4,))
+  by_name = {o.name: o for o in ops}
+  assert [o.name for o in ops if o.collective] == ["start"] and by_name["start"].done == "done"
+  assert by_name["work"].runs == 3 and by_name["work"].flops == 2 * 32 * 8 * 8
+  assert by_name["loop"].runs_inside == ("loop_body",)
+  # The model: a loop's time (its body's ops, every trip) hides a collective in flight across it.
+  chip = perf_model.CPU_CHIP
+  net = perf_model.Interconnect(chip, (8,), {"fsdp": 8}, {})
+  start = hlo_costs.Op("ag", "fusion", "main", 1, collective="all-gather", moved_bytes=1e10, axes=("fsdp",), done="d")
+  loop = hlo_costs.Op("loop", "while", "main", 1, runs_inside=("body",))
+  matmul = hlo_costs.Op("dot", "fusion", "body", 4, flops=chip.peak_bf16_tflops * 1e12 * 0.25)  # 4 x 0.25 s
+  done = hlo_costs.Op("d", "fusion", "main", 1)
+  prediction = perf_model.predict([start, loop, done, matmul], net, 1.0, 1.0)
+  assert prediction.exposed_ici_s == pytest.approx(net.seconds(start) - 1.0)
+  assert prediction.step_s == pytest.approx(net.seconds(start))

@@ -56,6 +56,9 @@ class Op:
   axes: tuple[str, ...] = ()
   done: str = ""  # for an async start: the name of its done instruction
   grouped_matmul: bool = False  # a grouped-matmul kernel (XLA's TPU ragged dot, megablox): costed on its whole buffer
+  # a loop or call: the computations it runs (each costed by its own ops), so that a collective in flight across it
+  # is hidden by their time
+  runs_inside: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -340,9 +343,6 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
     if name not in scheduled or runs.get(name, 0) == 0:
       continue
     pending: dict[str, Op] = {}  # open async collectives, by their start's name (or the channel they carry)
-    async_channels = {
-      ch for i in computations[name] if _fused_async(i, computations) == "start" for ch in _carried(i, computations)[1]
-    }
     for instr in computations[name]:
       fused_async = _fused_async(instr, computations)
       if instr.opcode.endswith("-done") or fused_async == "done":  # kept (at no cost): where the wait ends
@@ -351,6 +351,10 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
           if key in pending:
             pending.pop(key).done = instr.name
         ops.append(Op(instr.name, instr.opcode, name, runs[name]))
+        continue
+      if instr.opcode in ("while", "call", "conditional"):
+        inside = tuple(c for role, c in _called(instr.attrs) if role in ("body", "calls", "branch"))
+        ops.append(Op(instr.name, instr.opcode, name, runs[name], runs_inside=inside))
         continue
       if instr.opcode in _FREE:
         continue
@@ -368,11 +372,12 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         carrier = next((i for i in inner if _collective_kind(i.opcode)), instr)
         kind = _collective_kind(carrier.opcode)
       elif instr.opcode == "fusion":
-        carried, channels = _carried(instr, computations)
+        carried, _ = _carried(instr, computations)
         # A fusion carrying a collective: the start of an async one (TPU's async collective fusion), or a
         # synchronous one (e.g. an all-reduce-scatter fusion). The fusions between an async start and its done
-        # that hold a copy of the collective are compute it overlaps, costed as such.
-        if carried and (fused_async == "start" or not channels & async_channels):
+        # (also inside loops between them) carry a copy of the collective only to pass its buffers on: they are
+        # compute it overlaps, costed as such.
+        if carried and (fused_async == "start" or not _in_flight(instr, carried, computations)):
           carrier, kind = carried[0], _collective_kind(carried[0].opcode)
           if kind == "all-reduce" and array_bytes(instr.shape) < array_bytes(carrier.shape):
             kind = "reduce-scatter"  # all-reduce then this device's slice: a reduce-scatter on the wire
@@ -400,6 +405,16 @@ def _carried(instr: _Instr, computations: dict[str, list[_Instr]]) -> tuple[list
   carried = [i for i in _body(instr, computations) if _collective_kind(i.opcode)]
   channels = {m.group(1) for i in carried if (m := re.search(r"channel_id=(\d+)", i.attrs))}
   return carried, channels
+
+
+def _in_flight(instr: _Instr, carried: list[_Instr], computations: dict[str, list[_Instr]]) -> bool:
+  """True for a fusion that only passes its collectives' results out (an async one continues past it)."""
+  body = _body(instr, computations)
+  root = body[-1] if body else None
+  if root is None or root.opcode != "tuple":
+    return False
+  users = [i for i in body for c in carried if c.name in i.operands]
+  return all(u is root for u in users)
 
 
 def _fused_async(instr: _Instr, computations: dict[str, list[_Instr]]) -> str:

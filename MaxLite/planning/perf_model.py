@@ -101,9 +101,22 @@ def predict(
   by_computation: dict[str, list[Op]] = defaultdict(list)
   for op in ops:
     by_computation[op.computation].append(op)
-  for computation_ops in by_computation.values():
-    runs = computation_ops[0].runs
+  elapsed: dict[str, float] = {}  # seconds one run of a computation takes, its exposed waits included
+
+  def walk(name: str) -> float:  # adds the computation's ops to the totals once; returns its time per run
+    if name in elapsed:
+      return elapsed[name]
+    elapsed[name] = 0.0  # guards against recursion
+    computation_ops = by_computation.get(name, [])
+    runs = computation_ops[0].runs if computation_ops else 0.0
     hidden_until: list[tuple[str, float, str]] = []  # open async collectives: (done name, seconds left, ici|dcn)
+    took = 0.0
+
+    def wait(left: float, kind: str) -> None:
+      nonlocal took
+      totals[f"exposed_{kind}_s"] += max(left, 0.0) * runs
+      took += max(left, 0.0)
+
     for op in computation_ops:
       if op.collective:
         seconds = net.seconds(op)
@@ -112,18 +125,26 @@ def predict(
         if op.done:
           hidden_until.append((op.done, seconds, kind))
         else:
-          totals[f"exposed_{kind}_s"] += seconds * runs
+          wait(seconds, kind)
         continue
-      flops_s, bytes_s = op.flops / peak, op.hbm_bytes / hbm
-      seconds = max(flops_s, bytes_s)
-      totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
+      if op.runs_inside:  # a loop or call: its ops are costed in their own computations; its time hides collectives
+        seconds = sum(walk(c) * by_computation[c][0].runs / op.runs for c in op.runs_inside if by_computation.get(c))
+      else:
+        flops_s, bytes_s = op.flops / peak, op.hbm_bytes / hbm
+        seconds = max(flops_s, bytes_s)
+        totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
+      took += seconds
       hidden_until = [(done, left - seconds, kind) for done, left, kind in hidden_until]
-      finished = [h for h in hidden_until if h[0] == op.name]
-      for _, left, kind in finished:
-        totals[f"exposed_{kind}_s"] += max(left, 0.0) * runs
+      for _, left, kind in [h for h in hidden_until if h[0] == op.name]:
+        wait(left, kind)
       hidden_until = [h for h in hidden_until if h[0] != op.name]
     for _, left, kind in hidden_until:  # a done we did not see (its op is free, e.g. a *-done): wait for the rest
-      totals[f"exposed_{kind}_s"] += max(left, 0.0) * runs
+      wait(left, kind)
+    elapsed[name] = took
+    return took
+
+  for name in list(by_computation):
+    walk(name)
   step = totals["compute_s"] + totals["memory_s"] + totals["exposed_ici_s"] + totals["exposed_dcn_s"]
   step = max(step, 1e-12)
   return Prediction(
