@@ -409,3 +409,29 @@ def test_an_async_collective_fusions_work_inside_a_loop_is_work_and_the_loop_hid
   prediction = perf_model.predict([start, loop, done, matmul], net, 1.0, 1.0)
   assert prediction.exposed_ici_s == pytest.approx(net.seconds(start) - 1.0)
   assert prediction.step_s == pytest.approx(net.seconds(start))
+
+
+_WINDOW_HLO = "\n".join(
+  [
+    "%window (w0: bf16[64,128], w1: s32[]) -> bf16[16,128] {",
+    "  %w0 = bf16[64,128]{1,0} parameter(0)",
+    "  %w1 = s32[] parameter(1)",
+    "  %lowest = bf16[] constant(-inf)",
+    "  %padded = bf16[128,128]{1,0} pad(%w0, %lowest), padding=0_64x0_0",
+    "  %zero = s32[] constant(0)",
+    "  ROOT %cut = bf16[16,128]{1,0} dynamic-slice(%padded, %w1, %zero), dynamic_slice_sizes={16,128}",
+    "}",
+    "ENTRY %main (x: bf16[64,128], i: s32[]) -> bf16[16,128] {",
+    "  %x = bf16[64,128]{1,0} parameter(0)",
+    "  %i = s32[] parameter(1)",
+    "  ROOT %take = bf16[16,128]{1,0} fusion(%x, %i), kind=kLoop, calls=%window",
+    "}",
+  ]
+)
+
+
+def test_a_window_cut_from_a_padded_operand_reads_the_window():
+  """The windowed-einsum loops (tensor parallelism on TPU) pad an operand and slice one window per trip."""
+  (take,) = hlo_costs.device_ops(_WINDOW_HLO, ("data",), (1,))
+  window = 16 * 128 * 2
+  assert take.hbm_bytes == window + 4 + window  # the window and the index read, the window written

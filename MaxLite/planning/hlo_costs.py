@@ -467,25 +467,30 @@ def _params(body: list[_Instr]) -> dict[int, str]:
 
 
 def _read_bytes(body: list[_Instr], index: int, full: int, computations: dict[str, list[_Instr]]) -> float:
-  """Bytes a fusion body reads of its parameter `index`: the slices it cuts (also inside nested fusions), nothing
-  if it does not use it, only passes it through, updates it in place or hands it to a collective, else all of it."""
-  param = _params(body)[index]
+  """Bytes a fusion body reads of its parameter `index`: the slices it cuts (also through a pad or bitcast, as the
+  windowed-einsum loops cut their windows, and inside nested fusions), nothing if it does not use it, only passes
+  it through, updates it in place or hands it to a collective, else all of it."""
+  return _value_read(body, _params(body)[index], full, computations)
+
+
+def _value_read(body: list[_Instr], value: str, full: int, computations: dict[str, list[_Instr]]) -> float:
   root = body[-1]
   outputs = set(root.operands) if root.opcode == "tuple" else {root.name}
   read = 0.0
-  uses = [i for i in body if param in i.operands]
-  for use in uses:
-    if use.opcode == "dynamic-slice" and use.operands[0] == param:
+  for use in [i for i in body if value in i.operands]:
+    if use.opcode == "dynamic-slice" and use.operands[0] == value:
       read += array_bytes(use.shape)
+    elif use.opcode in ("pad", "bitcast") and use.operands[0] == value and use is not root:
+      read += _value_read(body, use.name, full, computations)
     elif use is root and use.opcode == "tuple":
       continue
-    elif use.opcode == "dynamic-update-slice" and use.operands[0] == param and use.name in outputs:
+    elif use.opcode == "dynamic-update-slice" and use.operands[0] == value and use.name in outputs:
       continue
     elif _collective_kind(use.opcode):
       continue
     elif use.opcode == "fusion" and _body(use, computations):
       read += sum(
-        _read_bytes(_body(use, computations), k, full, computations) for k, o in enumerate(use.operands) if o == param
+        _read_bytes(_body(use, computations), k, full, computations) for k, o in enumerate(use.operands) if o == value
       )
     else:
       return full
