@@ -435,3 +435,15 @@ def test_a_window_cut_from_a_padded_operand_reads_the_window():
   (take,) = hlo_costs.device_ops(_WINDOW_HLO, ("data",), (1,))
   window = 16 * 128 * 2
   assert take.hbm_bytes == window + 4 + window  # the window and the index read, the window written
+
+
+def test_bench_plan_compares_with_maxtexts_published_mfu_on_maxtexts_flop_count():
+  """MaxText's 2024 MFU counted the attention score matmuls without the causal mask; MaxLite counts half of them."""
+  sys.path.insert(0, os.path.join(REPO, "end_to_end"))
+  import bench_plan
+
+  emb, mlp, heads, d, layers, vocab, seq = 8192, 28672, 64, 128, 64, 32000, 2048  # configs/models/maxtext-64b.yml
+  per_token_weights = (2 * emb * mlp * 3 + 2 * emb * 3 * heads * d + 2 * emb * heads * d) * layers + 2 * emb * vocab
+  maxtext = 3 * per_token_weights + 3 * layers * 4 * seq * heads * d  # calculate_tflops_training_per_device
+  maxlite = 3 * per_token_weights + 3 * layers * 2 * seq * heads * d
+  assert bench_plan.maxtext_count("maxtext-64b", seq) == pytest.approx(maxtext / maxlite, rel=1e-12)
