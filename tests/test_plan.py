@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE, REPO, first_devices
+from conftest import FAST_COMPILE, REPO, first_devices, make_config
 
 from MaxLite.parallel import topologies
 from MaxLite.planning import hlo_costs, perf_model
+from MaxLite.training import flops
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 
@@ -109,9 +110,17 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
   assert "compiled but did not fit" in first.stdout, first.stdout  # there were some, and none is in the table
   compiled = int(re.search(r"search: (\d+) plans evaluated \(0 from the cache\)", first.stdout).group(1))
 
-  again = _plan(*args)
+  again = _plan(*args, "--explain=1")
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"search: {compiled} plans evaluated ({compiled} from the cache)" in again.stdout
+  # remat_policy=full runs each layer's forward again in the backward pass (all but the matmuls whose outputs the
+  # backward does not use): the tiny model's layers are a fifth of its FLOPs, the rest is its 8192-word output head
+  config = make_config("model_name=tiny", "max_target_length=64")
+  counted = flops.training_flops_per_step(config)
+  head = 3 * 2 * config.global_batch_size_to_train_on * 64 * config.base_emb_dim * config.vocab_size
+  layers_forward = (counted["total"] - head) / 3 / counted["total"]
+  recomputed = float(re.search(r"matmul FLOPs as compiled: ([\d.]+)x the model's", again.stdout).group(1))
+  assert 1 + 0.5 * layers_forward < recomputed < 1 + 1.5 * layers_forward, again.stdout
   assert "compiled," not in again.stderr  # no progress line: nothing was compiled
   assert _ranked_rows(again.stdout) == rows
 

@@ -158,6 +158,8 @@ def explain(r: search.Result, target: topologies.Target) -> str:
     f"  MFU {100 * p['mfu']:.1f}%, {p['tokens_per_s_per_chip']:,.0f} tokens/s/chip, bottleneck {r.bottleneck}",
     f"  device memory {r.device_bytes / GiB:.2f} GiB of {target.chip.hbm_bytes / GiB:.4g}, "
     f"host {r.host_bytes / GiB:.2f} GiB",
+    f"  matmul FLOPs as compiled: {r.matmul_flops_ratio:.2f}x the model's (above 1: recomputed, by the remat policy "
+    "or by XLA to fit the memory)",
     "  largest collectives (per step):",
   ]
   for c in r.collectives:

@@ -37,6 +37,7 @@ class Result:
   prediction: dict[str, float] = dataclasses.field(default_factory=dict)
   bottleneck: str = ""
   collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the largest, for --explain
+  matmul_flops_ratio: float = 0.0  # the compiled step's matmul FLOPs over the model's (recomputation shows above 1)
   error: str = ""
   compile_s: float = 0.0
   cached: bool = False
@@ -129,6 +130,7 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   tokens = c.global_batch_size_to_train_on * c.max_target_length / c.num_devices
   prediction = perf_model.predict(ops, net, model_flops, tokens)
   out["prediction"] = dataclasses.asdict(prediction)
+  out["matmul_flops_ratio"] = sum(o.flops * o.runs for o in ops) / model_flops
   out["bottleneck"] = prediction.bottleneck
   largest = sorted((o for o in ops if o.collective), key=lambda o: -net.seconds(o) * o.runs)[:8]
   out["collectives"] = [
@@ -218,6 +220,7 @@ def _result(plan: Candidate, payload: dict[str, Any], cached: bool = False) -> R
     prediction=payload.get("prediction") or {},
     bottleneck=payload.get("bottleneck") or "",
     collectives=payload.get("collectives") or [],
+    matmul_flops_ratio=payload.get("matmul_flops_ratio") or 0.0,
     error=payload.get("error") or "",
     compile_s=payload.get("compile_s") or 0.0,
     cached=cached,
