@@ -29,7 +29,7 @@ TAIL_LINES = 20
 # train.py of this installation (checkout or installed package), run as documented; `ps` shows train.py.
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
 STOP_GRACE_S = 10.0
-CAUSE_GRACE_S = 2.0
+CAUSE_GRACE_S = 15.0  # at most: the wait ends as soon as no process is left running
 
 
 def free_port() -> int:
@@ -121,11 +121,16 @@ def _report_failure(w: _Worker, out: IO[str]) -> None:
 def _first_cause(workers: list[_Worker], failed: list[_Worker]) -> _Worker:
   """The failed process to report: one killed by a signal is the cause, its peers only lose the connection.
 
-  The kernel closes a killed process's sockets before its exit can be reaped, so a peer's exit on the lost connection
-  may be seen first: give a killed process a moment to show up before blaming the peer.
+  The kernel closes a killed process's sockets before its exit can be reaped (tearing down a JAX process's memory
+  takes seconds on a loaded machine), so a peer's exit on the lost connection may be seen first: while every exit
+  seen is an ordinary failure and some process is still running, give a killed one time to show up.
   """
   deadline = time.monotonic() + CAUSE_GRACE_S
-  while all(w.proc.returncode > 0 for w in failed) and time.monotonic() < deadline:
+  while (
+    all(w.proc.returncode > 0 for w in failed)
+    and any(w.proc.poll() is None for w in workers)
+    and time.monotonic() < deadline
+  ):
     time.sleep(0.05)
     failed = [w for w in workers if w.proc.poll() not in (None, 0)]
   return min(failed, key=lambda w: (w.proc.returncode >= 0, w.index))
