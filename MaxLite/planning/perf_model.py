@@ -5,7 +5,8 @@ bandwidth (a per-op roofline). A collective costs its latency plus the bytes one
 group can use: a group inside a slice that spans k of the torus' dimensions runs a bidirectional ring in each,
 i.e. k / dims of the chip's send bandwidth (half its published all-links, both-directions ICI figure); a group
 that crosses slices runs at the chip's DCN share. XLA schedules collectives asynchronously (start ... done): the
-ops it placed between the two hide the collective, and only the rest of its time is added to the step.
+ops it placed between the two (a loop there with its whole body, every trip) hide the collective, and only the rest of
+its time is added to the step.
 """
 
 from __future__ import annotations
