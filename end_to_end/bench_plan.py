@@ -49,7 +49,8 @@ def recipe_rows() -> dict[str, tuple[str, str, list[str], float]]:
 def maxtext_count(model: str, seq: int) -> float:
   """MaxText's FLOPs per step over MaxLite's for a model and sequence length: MaxText's 2024 count has the full,
   unmasked attention score matmuls, MaxLite's (training/flops.py) half of them. The same for every batch and layout."""
-  sys.path.insert(0, REPO)
+  if REPO not in sys.path:
+    sys.path.insert(0, REPO)
   from MaxLite.config import loader
   from MaxLite.training import flops
 

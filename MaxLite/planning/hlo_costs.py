@@ -345,8 +345,9 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
     pending: dict[str, Op] = {}  # open async collectives, by their start's name (or the channel they carry)
     for instr in computations[name]:
       fused_async = _fused_async(instr, computations)
+      carried, channels = _carried(instr, computations)
       if instr.opcode.endswith("-done") or fused_async == "done":  # kept (at no cost): where the wait ends
-        keys = _carried(instr, computations)[1] if fused_async else instr.operands[:1]
+        keys = channels if fused_async else instr.operands[:1]
         for key in keys:
           if key in pending:
             pending.pop(key).done = instr.name
@@ -372,7 +373,6 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         carrier = next((i for i in inner if _collective_kind(i.opcode)), instr)
         kind = _collective_kind(carrier.opcode)
       elif instr.opcode == "fusion":
-        carried, _ = _carried(instr, computations)
         # A fusion carrying a collective: the start of an async one (TPU's async collective fusion), or a
         # synchronous one (e.g. an all-reduce-scatter fusion). The fusions between an async start and its done
         # (also inside loops between them) carry a copy of the collective only to pass its buffers on: they are
@@ -389,7 +389,7 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         if instr.opcode.endswith("-start"):
           pending[instr.name] = op
         elif fused_async == "start":
-          pending.update({ch: op for ch in _carried(instr, computations)[1]})
+          pending.update({ch: op for ch in channels})
       ops.append(op)
   return ops
 
@@ -458,7 +458,7 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
       total += array_bytes(out.shape)
   for index, operand in enumerate(instr.operands):
     full = array_bytes(shapes.get(operand, ""))
-    total += min(full, _read_bytes(inner, index, full, computations)) if index in params else full
+    total += min(full, _value_read(inner, params[index], full, computations)) if index in params else full
   return total
 
 
@@ -466,14 +466,10 @@ def _params(body: list[_Instr]) -> dict[int, str]:
   return {int(i.args): i.name for i in body if i.opcode == "parameter" and i.args.isdigit()}
 
 
-def _read_bytes(body: list[_Instr], index: int, full: int, computations: dict[str, list[_Instr]]) -> float:
-  """Bytes a fusion body reads of its parameter `index`: the slices it cuts (also through a pad or bitcast, as the
+def _value_read(body: list[_Instr], value: str, full: int, computations: dict[str, list[_Instr]]) -> float:
+  """Bytes a fusion body reads of its value (a parameter): the slices it cuts (also through a pad or bitcast, as the
   windowed-einsum loops cut their windows, and inside nested fusions), nothing if it does not use it, only passes
   it through, updates it in place or hands it to a collective, else all of it."""
-  return _value_read(body, _params(body)[index], full, computations)
-
-
-def _value_read(body: list[_Instr], value: str, full: int, computations: dict[str, list[_Instr]]) -> float:
   root = body[-1]
   outputs = set(root.operands) if root.opcode == "tuple" else {root.name}
   read = 0.0
@@ -488,9 +484,12 @@ def _value_read(body: list[_Instr], value: str, full: int, computations: dict[st
       continue
     elif _collective_kind(use.opcode):
       continue
-    elif use.opcode == "fusion" and _body(use, computations):
+    elif use.opcode == "fusion" and (nested := _body(use, computations)):
+      inner_params = _params(nested)
       read += sum(
-        _read_bytes(_body(use, computations), k, full, computations) for k, o in enumerate(use.operands) if o == value
+        _value_read(nested, inner_params[k], full, computations)
+        for k, o in enumerate(use.operands)
+        if o == value and k in inner_params
       )
     else:
       return full
