@@ -134,6 +134,9 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
     timeout=300,
   )
   assert check.returncode == 0 and "mesh fsdp=4 x tensor=2" in check.stdout, check.stdout + check.stderr[-2000:]
+  # plan.py and train_compile.py measure a plan's memory the same way (the compiler's allocation): what fits one
+  needed = re.search(r"total needed\s+([\d.]+) (MiB|GiB) of device memory \(the compiler's", check.stdout)
+  assert needed and float(needed.group(1)) * (1024 if needed.group(2) == "GiB" else 1) <= hbm_gib * 1024, check.stdout
 
 
 @pytest.mark.parametrize(

@@ -51,11 +51,37 @@ def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
   assert _value(text, "params") == pytest.approx(1151616 * 4 / 8 / 2**20, abs=0.06)
   assert _value(text, "optimizer state") == pytest.approx(2 * _value(text, "params"), abs=0.11)
   assert "FLOPs per device per step: compiled" in text and "HBM" not in text
+  # The total is the compiler's own allocation, read from this compile's dump, and the lines add up to it.
+  assert "of device memory (the compiler's buffer assignment)" in text
+  parts = _value(text, "arguments") + _value(text, "outputs") - _aliased(text) + _value(text, "temporaries")
+  assert _value(text, "total needed") == pytest.approx(parts, abs=0.2)
   assert out.stat().st_size > 10_000
   # The largest buffers come from XLA's real dump of this compile, joined with the model's op names.
   table = text.split("largest buffers at the memory peak")[1].split("FLOPs per device")[0]
   rows = [line for line in table.splitlines()[1:] if line.strip()]
   assert len(rows) >= 3 and any("<- " in r and "/" in r.split("<- ")[1] for r in rows), table
+
+
+def _aliased(text):
+  return float(re.search(r"donated: ([\d.]+) (MiB|GiB) reused", text).group(1))
+
+
+def test_allocated_bytes_sums_the_default_memory_spaces_allocations(tmp_path):
+  """Lines as libtpu writes them (llama2-7b on v5p-8): parameters, a fresh output, the temporaries block, and
+  on-chip / host allocations (colors), which are not device HBM."""
+  from MaxLite.aot.buffer_report import allocated_bytes
+
+  (tmp_path / "m.after_optimizations-buffer-assignment.txt").write_text(
+    "allocation 0: size 512, thread-local:\n"
+    " value: <1 x @0> (size=512,offset=0): f32[128]\n"
+    "allocation 1: size 1442840576, parameter 26, shape |f32[32,1024,11008]| at ShapeIndex {}, maybe-live-out:\n"
+    "allocation 3: size 1442840576, maybe-live-out:\n"
+    "allocation 231: size 7940817024, preallocated-temp:\n"
+    "allocation 232: size 76, color 2, preallocated-temp:\n"
+    "allocation 235: size 47857664, color 1, preallocated-temp:\n"
+  )
+  assert allocated_bytes(str(tmp_path)) == 512 + 2 * 1442840576 + 7940817024
+  assert allocated_bytes(str(tmp_path / "missing")) is None
 
 
 def _host_mib(report):

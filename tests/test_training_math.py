@@ -228,9 +228,9 @@ def test_weight_decay_spares_norm_scales_and_biases():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("donate_params", [False, True])
-def test_the_step_donates_the_optimizer_state_and_the_parameters_only_when_asked(donate_params):
-  """The new optimizer state overwrites the old one in place; the parameters get a fresh buffer unless
-  donate_params=true (on TPU that is often the larger program: see train_step._TrainStep)."""
+def test_the_step_donates_the_optimizer_state_and_the_parameters_unless_told_not_to(donate_params):
+  """The new optimizer state overwrites the old one in place; so do the new parameters, unless donate_params=false
+  (then they get a fresh buffer and the old ones stay readable)."""
   setup = Setup(f"donate_params={str(donate_params).lower()}")
   batch = stack([packed_row(np.random.default_rng(2), [SEQ], setup.config.vocab_size) for _ in range(8)])
   with setup.context():

@@ -21,6 +21,7 @@ _OP_NAME = re.compile(r'^\s*(?:ROOT )?%([^ ]+) = .*metadata=\{op_name="([^"]*)"'
 # Transform wrappers in op names (jit(train_step), transpose(jvp(Transformer)), ...) say nothing about which
 # layer made the value; the backward pass is marked instead.
 _WRAPPER = re.compile(r"^\w+\(.*\)$")
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,25 @@ def _op_names(path: str) -> dict[str, str]:
         kept = "/".join(p for p in parts if not _WRAPPER.match(p))
         names[m.group(1)] = ("backward: " if any(p.startswith("transpose(") for p in parts) else "") + kept
   return names
+
+
+def allocated_bytes(dump_dir: str) -> int | None:
+  """Device memory the compiled program's buffer assignment allocates (the default memory space): arguments,
+  outputs that do not reuse a donated argument, and the block of temporaries, packed as the compiler packed them.
+
+  This is what the chip must hold and what the compiler checks against its HBM. memory_analysis()'s
+  temp_size_in_bytes is larger on TPU (llama2-7b on v5p-8, 2 x 8192: 10.36 GiB against a 7.40 GiB block), so
+  its sum over-counts; None when the dump holds no buffer assignment."""
+  path = _one(dump_dir, "after_optimizations-buffer-assignment.txt")
+  if path is None:
+    return None
+  total = 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      m = _ALLOCATION.match(line)
+      if m and "color" not in m.group(2):  # other colors: on-chip scratch, host memory
+        total += int(m.group(1))
+  return total
 
 
 def largest_buffers(dump_dir: str, count: int = 8) -> list[Buffer]:

@@ -122,9 +122,24 @@ def out_of_memory(message: str) -> str | None:
 
 
 def memory_total(mem: Any, space: str) -> int:
-  """Bytes a compiled program needs in one memory space ("" = device, "host_"): donated outputs reuse inputs."""
+  """memory_analysis()'s sum for one memory space ("" = device, "host_"): arguments + outputs - the outputs that
+  reuse donated arguments + temporaries. MaxText's train_compile prints this figure for the device; on TPU it
+  over-counts the temporaries (see device_bytes)."""
   size = lambda kind: getattr(mem, f"{space}{kind}_size_in_bytes")
   return size("argument") + size("output") - size("alias") + size("temp")
+
+
+def device_bytes(mem: Any, allocated: int | None = None) -> tuple[int, str]:
+  """(bytes of device memory the program needs, where the figure comes from).
+
+  The compiler's buffer assignment (`allocated`, read from its dump) when there is one: libtpu's
+  temp_size_in_bytes exceeds the temporaries it allocates, and the compiler builds programs that memory_analysis()'s
+  sum says do not fit (llama2-7b on v5p-8 at 21 x 8192: the sum 113.65 GiB, the allocation 91.82, on a 95.74 GiB
+  chip; at 24 x 8192 its out-of-memory error names 101.26 GiB, where the allocation grows to). Without a dump, the
+  sum (an upper bound; memory_analysis()'s peak_memory_in_bytes leaves out the temporaries on CPU)."""
+  if allocated:
+    return allocated, "the compiler's buffer assignment"
+  return memory_total(mem, ""), "memory_analysis() sum"
 
 
 def _where(offloaded: bool) -> str:
@@ -146,12 +161,15 @@ def report(
   state_bytes: dict,
   seconds: float,
   buffers: Sequence[buffer_report.Buffer] = (),
+  allocated: int | None = None,
 ) -> tuple[str, bool]:
   """The printed summary and whether the step fits in the chip's HBM."""
   from MaxLite.training import flops
 
   mem = compiled.memory_analysis()
-  needed, host = memory_total(mem, ""), memory_total(mem, "host_")
+  (needed, source), host = device_bytes(mem, allocated), memory_total(mem, "host_")
+  summed = memory_total(mem, "")
+  temporaries = needed - (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0
@@ -170,8 +188,10 @@ def report(
     f"  arguments       {_gib(mem.argument_size_in_bytes)} (state + batch, donated: "
     f"{_gib(mem.alias_size_in_bytes)} reused for outputs)",
     f"  outputs         {_gib(mem.output_size_in_bytes)}",
-    f"  temporaries     {_gib(mem.temp_size_in_bytes)} (activations, gradients, collectives)",
-    f"  total needed    {_gib(needed)} of device memory",
+    f"  temporaries     {_gib(temporaries)} (activations, gradients, collectives)",
+    f"  total needed    {_gib(needed)} of device memory ({source})",
+    f"  memory_analysis() sum {_gib(summed)} (MaxText's 'total estimated memory'; counts temporaries as "
+    f"{_gib(mem.temp_size_in_bytes)})",
     f"  host memory     {_gib(host)} (arguments {_gib(mem.host_argument_size_in_bytes)}, temporaries "
     f"{_gib(mem.host_temp_size_in_bytes)}: host-offloaded state and activations)",
   ]
@@ -269,7 +289,8 @@ def _compile_and_report(
     )
     return DOES_NOT_FIT
   seconds = time.perf_counter() - start
-  text, fits = report(config, target, compiled, state_bytes, seconds, buffer_report.largest_buffers(dump_dir))
+  buffers, allocated = buffer_report.largest_buffers(dump_dir), buffer_report.allocated_bytes(dump_dir)
+  text, fits = report(config, target, compiled, state_bytes, seconds, buffers, allocated)
   print(text, flush=True)
   if config.compiled_trainstep_file:
     from jax.experimental import serialize_executable

@@ -8,13 +8,16 @@ plan left could beat the best compiled one even at its optimistic time (the fron
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,17 +78,35 @@ def cache_dir(config_value: str) -> str:
   return config_value or os.path.join(os.path.expanduser("~"), ".cache", "maxlite", "plans")
 
 
+# A worker's XLA dump directory: each compile's buffer assignment says how much device memory it allocates.
+_dump_dir: str | None = None
+
+
 def _init_worker(target_name: str) -> None:
   from MaxLite.aot.compile_step import prepare_backend
 
-  prepare_backend(topologies.parse(target_name))
+  global _dump_dir
+  _dump_dir = tempfile.mkdtemp(prefix="maxlite_plan_")
+  atexit.register(shutil.rmtree, _dump_dir, ignore_errors=True)
+  prepare_backend(topologies.parse(target_name), dump_dir=_dump_dir)
+
+
+def _allocated_bytes(compile_fn: Callable[[], Any]) -> tuple[Any, int | None]:
+  """(compiled, its device allocation from the dump) with the worker's dump directory emptied first."""
+  from MaxLite.aot import buffer_report
+
+  if _dump_dir is None:
+    return compile_fn(), None
+  shutil.rmtree(_dump_dir, ignore_errors=True)  # the last plan's files: XLA writes into the directory again
+  compiled = compile_fn()
+  return compiled, buffer_report.allocated_bytes(_dump_dir)
 
 
 def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib: float = -1) -> dict[str, Any]:
   """In a worker: compile the plan's train step for the target; memory, prediction and largest collectives."""
   import jax  # noqa: F401  (after prepare_backend)
 
-  from MaxLite.aot.compile_step import lower_train_step, memory_total, out_of_memory, target_devices
+  from MaxLite.aot.compile_step import device_bytes, lower_train_step, memory_total, out_of_memory, target_devices
   from MaxLite.config import Config, choices
   from MaxLite.planning import hlo_costs, perf_model
   from MaxLite.training import flops
@@ -95,14 +116,14 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   started = time.perf_counter()
   try:
     lowered, _ = lower_train_step(c, target_devices(target, num_slices))
-    compiled = lowered.compile()
+    compiled, allocated = _allocated_bytes(lowered.compile)
   except Exception as e:  # an out-of-memory compile is an answer, anything else is reported per plan
     oom = out_of_memory(str(e))
     return {"fits": False, "error": oom or first_line(e, with_type=True), "compile_s": time.perf_counter() - started}
   mem = compiled.memory_analysis()
-  device_bytes, host_bytes = memory_total(mem, ""), memory_total(mem, "host_")
-  out: dict[str, Any] = {"device_bytes": device_bytes, "host_bytes": host_bytes}
-  out["fits"] = device_bytes <= target.chip.hbm_bytes
+  needed, host_bytes = device_bytes(mem, allocated)[0], memory_total(mem, "host_")
+  out: dict[str, Any] = {"device_bytes": needed, "host_bytes": host_bytes}
+  out["fits"] = needed <= target.chip.hbm_bytes
   out["compile_s"] = time.perf_counter() - started
 
   ops = hlo_costs.device_ops(compiled.as_text(), choices.MESH_AXES, c.mesh_shape)

@@ -146,13 +146,13 @@ def eval_step(
 
 
 class _TrainStep:
-  """The jitted step with the optimizer state donated, and the parameters only with donate_params=true.
+  """The jitted step with the optimizer state donated, and the parameters too unless donate_params=false.
 
-  Measured with train_compile.py on TPU targets, donating the parameters too (the new ones overwrite them in place)
-  often costs more device memory than it saves: parameters donated to the step are also read by the scanned layer
-  loops, and XLA then keeps more temporaries than a fresh buffer for the new parameters takes (llama2-7b on v5p-8,
-  2 x 8192: 39.16 GiB donated, 36.76 GiB not; MaxText's v5p 32B-128B recipes 2.3-3.6 GiB less). Not always: llama3-8b
-  (1 x 8192, 7.5 GiB of parameters per device) needs 38.13 GiB donated and 40.77 GiB not."""
+  Donating the parameters lets the new ones overwrite them in place. On the compiler's own allocation (the buffer
+  assignment train_compile.py reads) it is the smaller program on llama2-7b (v5p-8, 2 x 8192: 32.38 GiB donated,
+  32.50 not) and on five of MaxText's seven recipes (0.14-0.35 GiB less; v5e 64B and 128B 0.02-0.04 more).
+  memory_analysis()'s sum says the opposite (39.6 against 35.5 GiB on llama2-7b) because libtpu's
+  temp_size_in_bytes counts more than the temporaries it allocates."""
 
   def __init__(self, jitted: Any):
     self._jitted = jitted
