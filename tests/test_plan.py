@@ -459,3 +459,41 @@ def test_bench_plan_compares_with_maxtexts_published_mfu_on_maxtexts_flop_count(
   maxtext = 3 * per_token_weights + 3 * layers * 4 * seq * heads * d  # calculate_tflops_training_per_device
   maxlite = 3 * per_token_weights + 3 * layers * 2 * seq * heads * d
   assert bench_plan.maxtext_count("maxtext-64b", seq) == pytest.approx(maxtext / maxlite, rel=1e-12)
+
+
+# A layer's splash kernels as libtpu's program names them (MaxText's v5p 64B recipe, trimmed): the forward, its
+# rerun under remat, and the two backward kernels, on [batch 2, heads 4, 1024 tokens, 128] per device.
+_SPLASH_HLO = "\n".join(
+  [
+    "ENTRY %main (q: bf16[2,4,1024,128], k: bf16[2,2,1024,128], info: s32[4,2,2]) -> bf16[2,4,1024,128] {",
+    "  %q = bf16[2,4,1024,128]{3,2,1,0} parameter(0)",
+    "  %k = bf16[2,2,1024,128]{3,2,1,0} parameter(1)",
+    "  %info = s32[4,2,2]{2,1,0} parameter(2)",
+    *[
+      f"  %splash_mha_{name} = bf16[2,4,1024,128]{{3,2,1,0}} custom-call(%info, %q, %k, %k), "
+      'custom_call_target="tpu_custom_call"'
+      for name in ("fwd_segmented_residuals.1", "fwd_segmented_residuals.2", "dq_segmented_no_residuals.1")
+    ],
+    "  ROOT %splash_mha_dkv_segmented_no_residuals.1 = bf16[2,2,1024,128]{3,2,1,0} custom-call(%info, %q, %k, %k), "
+    'custom_call_target="tpu_custom_call"',
+    "}",
+  ]
+)
+
+
+def test_splash_kernels_in_the_program_are_costed_by_the_blocks_they_compute():
+  """Each kernel run counts: the forward rerun under remat too, and the diagonal blocks whole (the model's FLOP count
+  has neither: one forward, and exactly half of the scores)."""
+  kernels = [o for o in hlo_costs.device_ops(_SPLASH_HLO, ("fsdp",), (1,)) if o.attention]
+  assert [o.attention for o in kernels] == [(p, 2, 4, 1024, 1024, 128) for p in ("fwd", "fwd", "dq", "dkv")]
+  # blocks of 512: rows 0-511 see one key block, rows 512-1023 two: 3 blocks of 512 x 512 query-key pairs
+  pairs = 3 * 512 * 512
+  per_matmul = 2 * 2 * 4 * pairs * 128
+  flops = [hlo_costs.splash_kernel_flops(o.attention, 512, 512) for o in kernels]
+  assert flops == [2 * per_matmul, 2 * per_matmul, 3 * per_matmul, 4 * per_matmul]
+  assert hlo_costs.splash_kernel_flops(kernels[3].attention, 512, 512, fused_backward=True) == 5 * per_matmul
+  # smaller blocks waste less on the diagonal: 128 x 128 blocks cover 36 of the 64 pairs of 128-blocks
+  assert hlo_costs.splash_kernel_flops(kernels[0].attention, 128, 128) == 2 * 2 * 2 * 4 * 36 * 128 * 128 * 128
+  # the last of two sequence shards (queries 1024-2047 of 2048 keys) sees every earlier key: 3 + 4 blocks of 512
+  sharded = ("fwd", 2, 4, 1024, 2048, 128)
+  assert hlo_costs.splash_kernel_flops(sharded, 512, 512) == 2 * 2 * 2 * 4 * 7 * 512 * 512 * 128

@@ -22,6 +22,8 @@ BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64":
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\((.*)\)\s+->\s+.*\{\s*$")
 # The op names jax gives grouped matmuls: XLA's TPU lowering of ragged_dot, and the megablox kernels (gmm, tgmm).
+# Splash attention's Pallas kernels, named by jax's splash_attention_kernel.get_kernel_name (mha/mqa, phase).
+_SPLASH = re.compile(r"^splash_m[hq]a_(fwd|dq|dkv)")
 _GROUPED_MATMUL = re.compile(r'op_name="[^"]*(ragged_dot_general|jit\(t?gmm\))')
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted separately).
@@ -59,6 +61,9 @@ class Op:
   # a loop or call: the computations it runs (each costed by its own ops), so that a collective in flight across it
   # is hidden by their time
   runs_inside: tuple[str, ...] = ()
+  # a splash attention kernel: (phase, batch, query heads, query length, key length, head dim); its FLOPs depend on
+  # the kernel's block sizes, which the HLO does not show (splash_kernel_flops)
+  attention: tuple = ()
 
 
 @dataclasses.dataclass
@@ -267,6 +272,36 @@ def _convolution_flops(instr: _Instr, shapes: dict[str, str]) -> float:
   return 2.0 * batch * rhs[rhs_labels.index("o")] * rhs[rhs_labels.index("i")] * pairs
 
 
+def _attention_dims(instr: _Instr, shapes: dict[str, str]) -> tuple[int, ...]:
+  """(batch, query heads, query length, key length, head dim) of a splash kernel from its operands: the queries
+  are the largest [..., heads, length, head_dim] operand, the keys' length the longest such operand's."""
+  arrays = []
+  for operand in instr.operands:
+    for _, dims in _ARRAY.findall(shapes.get(operand, "")):
+      d = [int(x) for x in dims.split(",") if x]
+      if len(d) >= 3:
+        arrays.append(d)
+  if not arrays:
+    return ()
+  q = max(arrays, key=lambda d: (math.prod(d), d[-3]))
+  return math.prod(q[:-3]), q[-3], q[-2], max(d[-2] for d in arrays if d[-1] == q[-1]), q[-1]
+
+
+def splash_kernel_flops(attention: tuple, block_q: int, block_kv: int, fused_backward: bool = False) -> float:
+  """Matmul FLOPs one run of a splash kernel does. It skips the (block_q x block_kv) blocks the causal mask rules out
+  and computes the others whole: the diagonal blocks too. The forward does 2 matmuls per block (q.k, p.v); the dq
+  kernel 3 (q.k again, do.v, ds.k); the dkv kernel 4 (q.k again, p.do, do.v, ds.q), 5 when it also makes dq
+  (the fused backward). With the queries split over sequence shards the last shard, which sees every key, is costed."""
+  phase, batch, heads, q_len, kv_len, head_dim = attention
+  first_row = kv_len - q_len  # the last shard's first query position
+  pairs = 0
+  for start in range(0, q_len, block_q):
+    last_key = first_row + min(start + block_q, q_len)  # the keys this query block sees end here
+    pairs += block_q * math.ceil(last_key / block_kv) * block_kv
+  matmuls = {"fwd": 2, "dq": 3, "dkv": 5 if fused_backward else 4}[phase]
+  return 2.0 * matmuls * batch * heads * pairs * head_dim
+
+
 def _custom_call_flops(instr: _Instr) -> float:
   """Pallas kernels (splash attention) carry their own cost estimate in the backend config."""
   found = re.search(r'"flops"\s*:\s*"?(\d+)', instr.attrs) or re.search(r"flops[\"']?\s*[:=]\s*(\d+)", instr.attrs)
@@ -367,6 +402,9 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
       elif instr.opcode == "custom-call":
         op.flops += _custom_call_flops(instr)
         op.grouped_matmul = bool(_GROUPED_MATMUL.search(instr.attrs))
+        splash = _SPLASH.match(instr.name)
+        dims = _attention_dims(instr, shapes) if splash else ()
+        op.attention = (splash.group(1), *dims) if dims else ()
       kind, carrier = _collective_kind(instr.opcode), instr
       if instr.opcode == "async-start":
         inner = [i for _, c in _called(instr.attrs) for i in computations.get(c, [])]

@@ -107,7 +107,7 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   import jax  # noqa: F401  (after prepare_backend)
 
   from MaxLite.aot.compile_step import device_bytes, lower_train_step, memory_total, out_of_memory, target_devices
-  from MaxLite.config import Config, choices
+  from MaxLite.config import Config, choices, splash_blocks
   from MaxLite.planning import hlo_costs, perf_model
   from MaxLite.training import flops
 
@@ -135,7 +135,14 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   )
   step_flops = flops.training_flops_per_step(c)
   model_flops = step_flops["total"] / c.num_devices
-  if c.attention_kernel == "splash":  # a Pallas kernel: its matmuls are not in the HLO; count the model's
+  kernels = [o for o in ops if o.attention]
+  if kernels:  # Pallas kernels carry no cost of their own: count each run's blocks
+    blocks = splash_blocks.capped_blocks(c.to_dict(), kernels[0].attention[3], kernels[0].attention[4])
+    for o in kernels:
+      suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[o.attention[0]]
+      q_block, kv_block = blocks[f"sa_block_q{suffix}"], blocks[f"sa_block_kv{suffix}"]
+      o.flops = hlo_costs.splash_kernel_flops(o.attention, q_block, kv_block, c.sa_use_fused_bwd_kernel)
+  elif c.attention_kernel == "splash":  # interpreted off TPU: the kernels are not in the HLO; count the model's
     ops.append(
       hlo_costs.Op("splash_attention", "custom-call", "splash", 1.0, flops=step_flops["attention"] / c.num_devices)
     )
