@@ -22,9 +22,9 @@ BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64":
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\((.*)\)\s+->\s+.*\{\s*$")
 # The op names jax gives grouped matmuls: XLA's TPU lowering of ragged_dot, and the megablox kernels (gmm, tgmm).
+_GROUPED_MATMUL = re.compile(r'op_name="[^"]*(ragged_dot_general|jit\(t?gmm\))')
 # Splash attention's Pallas kernels, named by jax's splash_attention_kernel.get_kernel_name (mha/mqa, phase).
 _SPLASH = re.compile(r"^splash_m[hq]a_(fwd|dq|dkv)")
-_GROUPED_MATMUL = re.compile(r'op_name="[^"]*(ragged_dot_general|jit\(t?gmm\))')
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted separately).
 _FREE = {
