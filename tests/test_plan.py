@@ -67,13 +67,17 @@ def test_replica_group_spellings_agree():
   assert hlo_costs._group_axes(transposed, MESH_AXES, shape) == (("fsdp",), 4)  # pylint: disable=protected-access
 
 
+def _matmul_rate(chip: topologies.Chip) -> float:
+  return chip.peak_bf16_tflops * 1e12 * perf_model.MATMUL_EFFICIENCY
+
+
 def test_an_async_collective_is_hidden_by_the_work_scheduled_inside_it():
   chip = perf_model.CPU_CHIP
   net = perf_model.Interconnect(chip, (8,), {"fsdp": 8}, {})
   big = 1e10  # bytes: longer than the matmul below
   start = hlo_costs.Op("ag", "all-gather-start", "main", 1, collective="all-gather", moved_bytes=big, axes=("fsdp",))
   start.done = "ag-done"
-  work = hlo_costs.Op("dot", "fusion", "main", 1, flops=chip.peak_bf16_tflops * 1e12 * 0.5)  # 0.5 s of compute
+  work = hlo_costs.Op("dot", "fusion", "main", 1, flops=_matmul_rate(chip) * 0.5)  # 0.5 s of compute
   done = hlo_costs.Op("ag-done", "all-gather-done", "main", 1)
   collective_s = net.seconds(start)
   hidden = perf_model.predict([start, work, done], net, 1.0, 1.0)
@@ -416,11 +420,86 @@ def test_an_async_collective_fusions_work_inside_a_loop_is_work_and_the_loop_hid
   net = perf_model.Interconnect(chip, (8,), {"fsdp": 8}, {})
   start = hlo_costs.Op("ag", "fusion", "main", 1, collective="all-gather", moved_bytes=1e10, axes=("fsdp",), done="d")
   loop = hlo_costs.Op("loop", "while", "main", 1, runs_inside=("body",))
-  matmul = hlo_costs.Op("dot", "fusion", "body", 4, flops=chip.peak_bf16_tflops * 1e12 * 0.25)  # 4 x 0.25 s
+  matmul = hlo_costs.Op("dot", "fusion", "body", 4, flops=_matmul_rate(chip) * 0.25)  # 4 x 0.25 s
   done = hlo_costs.Op("d", "fusion", "main", 1)
   prediction = perf_model.predict([start, loop, done, matmul], net, 1.0, 1.0)
   assert prediction.exposed_ici_s == pytest.approx(net.seconds(start) - 1.0)
   assert prediction.step_s == pytest.approx(net.seconds(start))
+
+
+# One trip of a windowed einsum loop as libtpu schedules it (MaxText's v5e 128B recipe, trimmed): the permutes
+# are synchronous instructions, placed after the matmul on the shard this trip holds; the next trip's shard is
+# sent on from what arrived.
+_WINDOWED_HLO = "\n".join(
+  [
+    "%window_body (p: (bf16[256,128], bf16[128,128], bf16[256,128])) -> (bf16[256,128], bf16[128,128], "
+    "bf16[256,128]) {",
+    "  %p = (bf16[256,128]{1,0}, bf16[128,128]{1,0}, bf16[256,128]{1,0}) parameter(0)",
+    "  %x = bf16[256,128]{1,0} get-tuple-element(%p), index=0",
+    "  %w = bf16[128,128]{1,0} get-tuple-element(%p), index=1",
+    "  %acc = bf16[256,128]{1,0} get-tuple-element(%p), index=2",
+    "  %mine = bf16[256,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    "  %sent = bf16[256,128]{1,0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+    "  %theirs = bf16[256,128]{1,0} dot(%sent, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    "  %again = bf16[256,128]{1,0} collective-permute(%sent), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},"
+    "{3,0}}",
+    "  %sum = bf16[256,128]{1,0} add(%mine, %theirs)",
+    "  ROOT %next = (bf16[256,128]{1,0}, bf16[128,128]{1,0}, bf16[256,128]{1,0}) tuple(%again, %w, %sum)",
+    "}",
+    "%window_cond (c: (bf16[256,128], bf16[128,128], bf16[256,128])) -> pred[] {",
+    "  %c = (bf16[256,128]{1,0}, bf16[128,128]{1,0}, bf16[256,128]{1,0}) parameter(0)",
+    "  ROOT %go = pred[] constant(true)",
+    "}",
+    "ENTRY %main (a: bf16[256,128], b: bf16[128,128], z: bf16[256,128]) -> (bf16[256,128], bf16[128,128], "
+    "bf16[256,128]) {",
+    "  %a = bf16[256,128]{1,0} parameter(0)",
+    "  %b = bf16[128,128]{1,0} parameter(1)",
+    "  %z = bf16[256,128]{1,0} parameter(2)",
+    "  %init = (bf16[256,128]{1,0}, bf16[128,128]{1,0}, bf16[256,128]{1,0}) tuple(%a, %b, %z)",
+    "  ROOT %loop = (bf16[256,128]{1,0}, bf16[128,128]{1,0}, bf16[256,128]{1,0}) while(%init), "
+    'condition=%window_cond, body=%window_body, backend_config={"known_trip_count":{"n":"2"}}',
+    "}",
+  ]
+)
+
+
+def test_a_synchronous_permute_is_a_transfer_from_when_its_input_is_ready_to_its_first_use():
+  ops = hlo_costs.device_ops(_WINDOWED_HLO, ("tensor",), (4,))
+  body = [o.name for o in ops if o.computation == "window_body"]
+  # sent from the start of the trip (its input is the loop's), waited for before the matmul that needs it; the
+  # shard it brought is sent on as soon as it has arrived, and waited for at the end of the trip
+  assert body == ["sent", "mine", "sent.wait", "again", "theirs", "sum"], body
+  by_name = {o.name: o for o in ops}
+  assert by_name["sent"].done == "sent.wait" and by_name["sent"].collective == "collective-permute"
+  assert by_name["sent.wait"].flops == 0 and by_name["sent.wait"].hbm_bytes == 0
+  # The model: the matmul on this trip's shard hides the transfer of the next one.
+  chip = topologies.CHIPS["v5e"]
+  net = perf_model.Interconnect(chip, (4, 4), {"tensor": 4}, {})
+
+  def op_s(name: str) -> float:
+    return max(by_name[name].flops / _matmul_rate(chip), by_name[name].hbm_bytes / (chip.hbm_gbytes_per_s * 1e9))
+
+  permute_s = net.seconds(by_name["sent"])
+  assert permute_s > op_s("mine")  # so part of it shows: exactly what the matmul does not cover
+  sent_shows = permute_s - op_s("mine")
+  again_shows = net.seconds(by_name["again"]) - op_s("theirs") - op_s("sum")  # sent on while the core works
+  prediction = perf_model.predict(ops, net, 1.0, 1.0)
+  assert prediction.exposed_ici_s == pytest.approx(2 * (sent_shows + again_shows))  # 2 trips
+
+
+def test_links_carry_the_published_one_way_bandwidth():
+  """Cloud TPU's per-chip ICI figure is what the chip sends over all its links at once, one way each: a v5e link
+  carries 50 GB/s one way, a v5p link 100 GB/s (the scaling book's table)."""
+  for family, one_way in (("v5e", 50e9), ("v5p", 100e9)):
+    chip = topologies.CHIPS[family]
+    net = perf_model.Interconnect(chip, (4,) * chip.dims, {"tensor": 4}, {})
+    size = 1e9
+    permute = hlo_costs.Op("p", "collective-permute", "main", 1, collective="collective-permute", moved_bytes=size)
+    permute.axes = ("tensor",)
+    gather = hlo_costs.Op("g", "all-gather", "main", 1, collective="all-gather", moved_bytes=size, axes=("tensor",))
+    latency = perf_model.COLLECTIVE_LATENCY_S
+    assert net.seconds(permute) == pytest.approx(latency + size / one_way)  # one link, one way
+    assert net.seconds(gather) == pytest.approx(latency + size / (2 * one_way))  # a ring in one dimension: both ways
 
 
 _WINDOW_HLO = "\n".join(

@@ -25,11 +25,13 @@ class Chip:
   peak_bf16_tflops: float
   chip_config_name: str | None  # libtpu's name for the per-device layout
   hbm_gbytes_per_s: float  # HBM bandwidth
-  ici_gbits_per_s: float  # inter-chip interconnect, all links of one chip, both directions
+  ici_gbits_per_s: float  # inter-chip interconnect: what one chip sends at once, every link one way
   dcn_gbits_per_s: float  # data-center network share of one chip (between slices)
 
 
 # Cloud TPU's published per-chip figures (cloud.google.com/tpu/docs: v4, v5e, v5p, v6e system architecture pages).
+# ICI: the published figure is the sum over the chip's links of one direction each: 2 x dims links of 100 GB/s
+# (v5p, v6e) or 50 GB/s (v5e, v4 45) one way ("How to Scale Your Model", Austin et al. 2025, TPU chapter's ICI table).
 # DCN is not published per chip: 50 Gbit/s is an estimate (hosts have 100-400 Gbit/s NICs shared by 4-8 chips).
 # HBM of v5p and v5e: what libtpu's compiler lets one program use, from its RESOURCE_EXHAUSTED message here ("95.74G
 # hbm", "15.75G hbm"), not the nominal 95 / 16 GiB: a program between 15.75 and 16 GiB does not run on a v5e chip.

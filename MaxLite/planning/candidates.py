@@ -17,6 +17,7 @@ from typing import Any
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config, choices, validation
 from MaxLite.parallel.topologies import Target
+from MaxLite.planning.perf_model import MATMUL_EFFICIENCY
 from MaxLite.training import flops
 
 GiB = 2**30
@@ -157,14 +158,15 @@ def memory_lower_bound(c: dict[str, Any]) -> float:
 
 
 def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
-  """A lower bound on the step time: matmul FLOPs (with recomputation) at peak, or the FSDP weight gathers and
-  gradient reductions and the data-parallel gradient all-reduce (hidden under compute at best), plus the
-  tensor-parallel activation reductions (each waits for its layer), at the chip's full ICI send bandwidth."""
+  """A lower bound on the step time: matmul FLOPs (with recomputation) at the matmul rate the model uses, or the
+  FSDP weight gathers and gradient reductions, the data-parallel gradient all-reduce and the tensor-parallel
+  activation traffic at the chip's full ICI send bandwidth, whichever is longer (all of it hidden under compute at
+  best: windowed einsums overlap even the tensor-parallel transfers)."""
   chip = target.chip
   mesh = dict(zip(choices.MESH_AXES, c["mesh_shape"]))
   per_device = flops.training_flops_per_step(Config(c))["total"] / c["num_devices"]
-  compute = per_device * RECOMPUTE.get(c["remat_policy"], 1.0) / (chip.peak_bf16_tflops * 1e12)
-  send = chip.ici_gbits_per_s / 8 * 1e9 / 2
+  compute = per_device * RECOMPUTE.get(c["remat_policy"], 1.0) / (chip.peak_bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+  send = chip.ici_gbits_per_s / 8 * 1e9
   weight = 2 if c["weight_dtype"] == "bfloat16" else 4
   shard = c["num_params"] / (c["num_devices"] / mesh["data"])
   fsdp = mesh["fsdp"] * mesh["sequence"]
@@ -173,7 +175,7 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   tensor = 4 * 2 * c["base_num_decoder_layers"] * tokens * c["base_emb_dim"] * 2 * (mesh["tensor"] - 1) / mesh["tensor"]
   tensor *= c["gradient_accumulation_steps"]
   data = 2 * shard * 4 * (mesh["data"] - 1) / mesh["data"]  # the float32 gradient all-reduce over data
-  return max(compute, (gathers + data) / send) + tensor / send
+  return max(compute, (gathers + data + tensor) / send)
 
 
 def prune(

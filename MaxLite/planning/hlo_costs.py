@@ -377,6 +377,7 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
   for name in computations:
     if name not in scheduled or runs.get(name, 0) == 0:
       continue
+    first = len(ops)
     pending: dict[str, Op] = {}  # open async collectives, by their start's name (or the channel they carry)
     for instr in computations[name]:
       fused_async = _fused_async(instr, computations)
@@ -429,7 +430,68 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         elif fused_async == "start":
           pending.update({ch: op for ch in channels})
       ops.append(op)
+    ops[first:] = _permutes_as_transfers(ops[first:], computations[name])
   return ops
+
+
+def _permutes_as_transfers(ops: list[Op], body: list[_Instr]) -> list[Op]:
+  """A computation's ops with each synchronous collective-permute moved to where its input is ready and waited for
+  just before its first user (a zero-cost `<name>.wait` op).
+
+  A collective-permute sends one buffer to a neighbour: a DMA over one link, which the core does not run. XLA's
+  windowed einsum loops (Wang et al., ASPLOS 2023, "Overlap communication with dependent computation via
+  decomposition in large deep learning models") rely on this: each trip sends the next shard while the core
+  multiplies the current one, and libtpu leaves these permutes synchronous in the HLO. Compute stays in the
+  schedule's order; only the transfer is placed by its data dependencies.
+  """
+  by_name = {i.name: i for i in body}
+  users: dict[str, list[_Instr]] = defaultdict(list)
+  for instr in body:
+    for operand in instr.operands:
+      users[operand].append(instr)
+  position = {i.name: k for k, i in enumerate(body)}
+  aliases = _FREE - {"while", "call", "conditional"}  # pass values on without running (a loop runs its body)
+
+  def producers(value: str) -> list[str]:  # the instructions that compute a value, through aliases
+    instr = by_name.get(value)
+    if instr is None or instr.opcode == "parameter":
+      return []
+    if instr.opcode in aliases:
+      return [p for operand in instr.operands for p in producers(operand)]
+    return [value]
+
+  transfers = {o.name: o for o in ops if o.opcode == "collective-permute" and o.collective and not o.done}
+  if not transfers:
+    return ops
+
+  def first_user(value: str) -> str:  # the first op that computes with the value (a transfer of it only sends it on)
+    found = [first_user(u.name) if u.opcode in aliases else u.name for u in users.get(value, [])]
+    found = [f for f in found if f and f not in transfers]
+    return min(found, key=position.__getitem__) if found else ""
+
+  ready_after: dict[str, list[Op]] = defaultdict(list)  # op or wait name ("" = the start) -> transfers it releases
+  wait_before: dict[str, list[Op]] = defaultdict(list)
+  for name, op in transfers.items():
+    inputs = [p for operand in by_name[name].operands for p in producers(operand)]
+    last = max(inputs, key=position.__getitem__) if inputs else ""
+    ready_after[f"{last}.wait" if last in transfers else last].append(op)
+    op.done = f"{name}.wait"
+    user = first_user(name)
+    if user:
+      wait_before[user].append(op)
+  placed = list(ready_after[""])
+  for op in ops:
+    if op.name in transfers:
+      continue
+    for transfer in wait_before.get(op.name, []):
+      placed.append(Op(transfer.done, "collective-permute-done", op.computation, op.runs))
+      placed += ready_after.get(transfer.done, [])
+    placed.append(op)
+    placed += ready_after.get(op.name, [])
+  seen = {id(o) for o in placed}
+  # a transfer whose input comes from an op that is not costed, or that nothing here uses: issued in place, waited
+  # for at the end of the computation
+  return placed + [o for o in transfers.values() if id(o) not in seen]
 
 
 def _body(instr: _Instr, computations: dict[str, list[_Instr]]) -> list[_Instr]:

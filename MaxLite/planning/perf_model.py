@@ -1,10 +1,11 @@
 """Predicted step time of a compiled train step on a TPU slice, from its device-level ops (hlo_costs.py).
 
-Each op costs the larger of its matmul FLOPs at the chip's bf16 peak and its HBM bytes at the chip's HBM
-bandwidth (a per-op roofline). A collective costs its latency plus the bytes one device sends over the links its
-group can use: a group inside a slice that spans k of the torus' dimensions runs a bidirectional ring in each,
-i.e. k / dims of the chip's send bandwidth (half its published all-links, both-directions ICI figure); a group
-that crosses slices runs at the chip's DCN share. XLA schedules collectives asynchronously (start ... done): the
+Each op costs the larger of its matmul FLOPs at the rate XLA's matmuls reach (MATMUL_EFFICIENCY of the chip's bf16
+peak) and its HBM bytes at the chip's HBM bandwidth (a per-op roofline). A collective costs its latency plus the
+bytes one device sends over the links its group can use: a group inside a slice that spans k of the torus'
+dimensions runs a bidirectional ring in each, i.e. k / dims of what the chip sends over all its links at once (the
+published ICI figure); a collective-permute sends one buffer to one peer, over one link one way; a group that
+crosses slices runs at the chip's DCN share. XLA schedules collectives asynchronously (start ... done): the
 ops it placed between the two (a loop there with its whole body, every trip) hide the collective, and only the rest of
 its time is added to the step.
 """
@@ -21,6 +22,10 @@ from MaxLite.parallel.topologies import Chip, Target
 from MaxLite.planning.hlo_costs import Op
 
 COLLECTIVE_LATENCY_S = 5e-6  # per collective: launch and synchronisation, whatever its size
+# The fraction of the bf16 peak a large matmul reaches: jnp.matmul of bf16 8192 x 8192 x 8192 on a TPU v5e ran at
+# 92.3% (JAX documentation, Pallas TPU guide "Matrix Multiplication", its XLA baseline; timed with dispatch
+# included). The one measured figure published for XLA's TPU matmuls; used for every chip and for the kernels too.
+MATMUL_EFFICIENCY = 0.923
 # cpu-N (simulated devices sharing this machine's cores): nominal per-device numbers, so plans for the CPU mesh can
 # be ranked and their predicted order checked against measured steps. Not a claim about any CPU's speed.
 CPU_CHIP = Chip("cpu", 1, 1, 2 * 2**30, 0.05, None, 10.0, 80.0, 8.0)
@@ -75,8 +80,14 @@ class Interconnect:
       return COLLECTIVE_LATENCY_S + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
     # A collective whose replica groups named no mesh axes is costed by its group size (an empty product is 1,
     # which would price it as a collective over one chip).
+    if op.collective == "collective-permute":
+      return COLLECTIVE_LATENCY_S + op.moved_bytes / self.link_bandwidth()
     within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) if op.axes else op.group_size
     return COLLECTIVE_LATENCY_S + op.moved_bytes / self.send_bandwidth(within)
+
+  def link_bandwidth(self) -> float:
+    """Bytes/s over one link, one way (a torus has two links per dimension at each chip)."""
+    return self.chip.ici_gbits_per_s / 8 * 1e9 / (2 * self.chip.dims)
 
   def send_bandwidth(self, group: int) -> float:
     """Bytes/s one chip sends in a collective over `group` chips of its slice."""
@@ -86,7 +97,7 @@ class Interconnect:
         break
       covered *= size
       dims += 1
-    total_send = self.chip.ici_gbits_per_s / 8 * 1e9 / 2
+    total_send = self.chip.ici_gbits_per_s / 8 * 1e9
     return total_send * max(dims, 1) / self.chip.dims
 
   def crosses_slices(self, op: Op) -> bool:
@@ -131,7 +142,7 @@ def predict(
       if op.runs_inside:  # a loop or call: its ops are costed in their own computations; its time hides collectives
         seconds = sum(walk(c) * by_computation[c][0].runs / op.runs for c in op.runs_inside if by_computation.get(c))
       else:
-        flops_s, bytes_s = op.flops / peak, op.hbm_bytes / hbm
+        flops_s, bytes_s = op.flops / (peak * MATMUL_EFFICIENCY), op.hbm_bytes / hbm
         seconds = max(flops_s, bytes_s)
         totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
       took += seconds
