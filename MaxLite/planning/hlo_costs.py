@@ -26,6 +26,9 @@ _GROUPED_MATMUL = re.compile(r'op_name="[^"]*(ragged_dot_general|jit\(t?gmm\))')
 # Splash attention's Pallas kernels, named by jax's splash_attention_kernel.get_kernel_name (mha/mqa, phase).
 _SPLASH = re.compile(r"^splash_m[hq]a_(fwd|dq|dkv)")
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# Async copies between memory spaces; the DMA engines run them while the core computes, until their done.
+_TRANSFERS = ("copy-start", "slice-start", "dynamic-slice-start", "dynamic-update-slice-start")
+_HOST_MEMORY = "S(5)"  # TPU layouts' memory space of host memory
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted separately).
 _FREE = {
   "parameter",
@@ -57,6 +60,9 @@ class Op:
   group_size: int = 1
   axes: tuple[str, ...] = ()
   done: str = ""  # for an async start: the name of its done instruction
+  # an async copy between memory spaces (a prefetch into VMEM, an eviction, a host offload): "hbm" or "host" (the
+  # host's memory space takes part); moved_bytes is what it copies
+  transfer: str = ""
   grouped_matmul: bool = False  # a grouped-matmul kernel (XLA's TPU ragged dot, megablox): costed on its whole buffer
   # a loop or call: the computations it runs (each costed by its own ops), so that a collective in flight across it
   # is hidden by their time
@@ -406,6 +412,10 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         splash = _SPLASH.match(instr.name)
         dims = _attention_dims(instr, shapes) if splash else ()
         op.attention = (splash.group(1), *dims) if dims else ()
+      if instr.opcode in _TRANSFERS:
+        op.transfer = "host" if _HOST_MEMORY in instr.shape else "hbm"
+        op.moved_bytes, op.hbm_bytes = _transfer_bytes(instr, shapes), 0.0
+        pending[instr.name] = op
       kind, carrier = _collective_kind(instr.opcode), instr
       if instr.opcode == "async-start":
         inner = [i for _, c in _called(instr.attrs) for i in computations.get(c, [])]
@@ -537,12 +547,8 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
   if instr.opcode != "fusion" or not inner:
     if instr.opcode == "dynamic-slice":
       return 2.0 * array_bytes(instr.shape)
-    if instr.opcode in ("dynamic-update-slice", "dynamic-update-slice-start") and len(instr.operands) > 1:
+    if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
       return 2.0 * array_bytes(shapes.get(instr.operands[1], ""))
-    if instr.opcode == "dynamic-slice-start":  # async (a layer's slice of a host-offloaded stack): its shape is
-      # (operands, slice, context); the slice is what moves, not the whole stack it is cut from
-      operands = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
-      return 2.0 * max(array_bytes(instr.shape) - operands - array_bytes("u32[]"), 0)
     return sum(array_bytes(shapes.get(o, "")) for o in instr.operands) + array_bytes(instr.shape)
   params = _params(inner)
   by_name = {i.name: i for i in inner}
@@ -560,6 +566,16 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
     full = array_bytes(shapes.get(operand, ""))
     total += min(full, _value_read(inner, params[index], full, computations)) if index in params else full
   return total
+
+
+def _transfer_bytes(instr: _Instr, shapes: dict[str, str]) -> float:
+  """What an async copy moves. Its shape is (its operands, the result, a context scalar): the result is the copied
+  buffer or the slice cut from a (host-offloaded) stack; an in-place update moves its update, not the stack."""
+  if instr.opcode == "dynamic-update-slice-start":
+    return float(array_bytes(shapes.get(instr.operands[1], ""))) if len(instr.operands) > 1 else 0.0
+  operands = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
+  context = array_bytes(_ARRAY.findall(instr.shape)[-1][0] + "[]") if _ARRAY.search(instr.shape) else 0
+  return float(max(array_bytes(instr.shape) - operands - context, 0))
 
 
 def _params(body: list[_Instr]) -> dict[int, str]:
@@ -621,5 +637,5 @@ def summary(ops: Sequence[Op]) -> dict[str, float]:
   for op in ops:
     out["flops"] += op.flops * op.runs
     out["hbm_bytes"] += op.hbm_bytes * op.runs
-    out["collective_bytes"] += op.moved_bytes * op.runs
+    out["collective_bytes"] += op.moved_bytes * op.runs if op.collective else 0.0
   return out

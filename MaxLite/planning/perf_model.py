@@ -5,9 +5,12 @@ peak) and its HBM bytes at the chip's HBM bandwidth (a per-op roofline). A colle
 bytes one device sends over the links its group can use: a group inside a slice that spans k of the torus'
 dimensions runs a bidirectional ring in each, i.e. k / dims of what the chip sends over all its links at once (the
 published ICI figure); a collective-permute sends one buffer to one peer, over one link one way; a group that
-crosses slices runs at the chip's DCN share. XLA schedules collectives asynchronously (start ... done): the
+crosses slices runs at the chip's DCN share. An async copy between memory spaces (a prefetch into VMEM, an
+eviction, a layer's activations to or from host memory) runs on the DMA engines at the HBM bandwidth, or the PCIe
+bandwidth when host memory takes part. XLA schedules collectives asynchronously (start ... done): the
 ops it placed between the two (a loop there with its whole body, every trip) hide the collective, and only the rest of
-its time is added to the step.
+its time is added to the step. So do async copies. Transfers over the same links (a ring's, per mesh axes; a
+permute's own link; one DMA path per memory kind) go one after another in the order they started.
 """
 
 from __future__ import annotations
@@ -59,10 +62,13 @@ class Prediction:
   exposed_dcn_s: float
   mfu: float  # model FLOPs per device / (step_s x peak)
   tokens_per_s_per_chip: float
+  copy_s: float = 0.0  # async copies between memory spaces (hidden or not)
+  exposed_copy_s: float = 0.0
 
   @property
   def bottleneck(self) -> str:
-    parts = {"compute": self.compute_s, "memory": self.memory_s, "ICI": self.exposed_ici_s, "DCN": self.exposed_dcn_s}
+    parts = {"compute": self.compute_s, "memory": self.memory_s + self.exposed_copy_s, "ICI": self.exposed_ici_s}
+    parts["DCN"] = self.exposed_dcn_s
     return max(parts, key=parts.get)
 
 
@@ -74,6 +80,9 @@ class Interconnect:
   dcn_sizes: dict[str, int]  # mesh axis -> number of slices it spans
 
   def seconds(self, op: Op) -> float:
+    if op.transfer:
+      rate = self.chip.pcie_gbytes_per_s if op.transfer == "host" else self.chip.hbm_gbytes_per_s
+      return op.moved_bytes / (rate * 1e9)
     if op.moved_bytes <= 0:
       return COLLECTIVE_LATENCY_S if op.collective else 0.0
     if self.crosses_slices(op):
@@ -100,6 +109,17 @@ class Interconnect:
     total_send = self.chip.ici_gbits_per_s / 8 * 1e9
     return total_send * max(dims, 1) / self.chip.dims
 
+  def links(self, op: Op) -> tuple:
+    """The links a collective occupies: a ring's, shared with every other collective over the same mesh axes; a
+    permute's one link one way (told apart by the op)."""
+    if op.transfer:
+      return ("copy", op.transfer)
+    kind = "dcn" if self.crosses_slices(op) else "ici"
+    return (kind, op.axes, op.name) if op.collective == "collective-permute" else (kind, op.axes)
+
+  def kind(self, op: Op) -> str:
+    return "copy" if op.transfer else "dcn" if self.crosses_slices(op) else "ici"
+
   def crosses_slices(self, op: Op) -> bool:
     return math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
 
@@ -121,23 +141,34 @@ def predict(
     elapsed[name] = 0.0  # guards against recursion
     computation_ops = by_computation.get(name, [])
     runs = computation_ops[0].runs if computation_ops else 0.0
-    hidden_until: list[tuple[str, float, str]] = []  # open async collectives: (done name, seconds left, ici|dcn)
+    # async collectives in flight, in the order they started: [done name, seconds left, ici|dcn, links]
+    in_flight: list[list] = []
     took = 0.0
 
-    def wait(left: float, kind: str) -> None:
+    def progress(seconds: float) -> None:  # transfers sharing links go one after another, in start order
+      budget: dict[tuple, float] = defaultdict(lambda: seconds)
+      for transfer in in_flight:
+        used = min(budget[transfer[3]], transfer[1])
+        transfer[1] -= used
+        budget[transfer[3]] -= used
+
+    def wait(transfer: list) -> None:  # the step waits until the transfer (and those ahead of it) are done
       nonlocal took
-      totals[f"exposed_{kind}_s"] += max(left, 0.0) * runs
-      took += max(left, 0.0)
+      ahead = [t for t in in_flight[: in_flight.index(transfer)] if t[3] == transfer[3]]
+      left = sum(t[1] for t in ahead) + transfer[1]
+      totals[f"exposed_{transfer[2]}_s"] += left * runs
+      took += left
+      progress(left)
+      in_flight.remove(transfer)
 
     for op in computation_ops:
-      if op.collective:
-        seconds = net.seconds(op)
-        kind = "dcn" if net.crosses_slices(op) else "ici"
+      if op.collective or op.transfer:
+        seconds, kind = net.seconds(op), net.kind(op)
         totals[f"{kind}_s"] += seconds * runs
-        if op.done:
-          hidden_until.append((op.done, seconds, kind))
-        else:
-          wait(seconds, kind)
+        transfer = [op.done, seconds, kind, net.links(op)]
+        in_flight.append(transfer)
+        if not op.done:
+          wait(transfer)
         continue
       if op.runs_inside:  # a loop or call: its ops are costed in their own computations; its time hides collectives
         seconds = sum(walk(c) * by_computation[c][0].runs / op.runs for c in op.runs_inside if by_computation.get(c))
@@ -146,18 +177,18 @@ def predict(
         seconds = max(flops_s, bytes_s)
         totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
       took += seconds
-      hidden_until = [(done, left - seconds, kind) for done, left, kind in hidden_until]
-      for _, left, kind in [h for h in hidden_until if h[0] == op.name]:
-        wait(left, kind)
-      hidden_until = [h for h in hidden_until if h[0] != op.name]
-    for _, left, kind in hidden_until:  # a done we did not see (its op is free, e.g. a *-done): wait for the rest
-      wait(left, kind)
+      progress(seconds)
+      for transfer in [t for t in in_flight if t[0] == op.name]:
+        wait(transfer)
+    for transfer in list(in_flight):  # a done we did not see (its op is free, e.g. a *-done): wait for the rest
+      wait(transfer)
     elapsed[name] = took
     return took
 
   for name in list(by_computation):
     walk(name)
   step = totals["compute_s"] + totals["memory_s"] + totals["exposed_ici_s"] + totals["exposed_dcn_s"]
+  step += totals["exposed_copy_s"]
   step = max(step, 1e-12)
   return Prediction(
     step_s=step,
@@ -169,4 +200,6 @@ def predict(
     exposed_dcn_s=totals["exposed_dcn_s"],
     mfu=model_flops_per_device / (step * peak),
     tokens_per_s_per_chip=tokens_per_device / step,
+    copy_s=totals["copy_s"],
+    exposed_copy_s=totals["exposed_copy_s"],
   )

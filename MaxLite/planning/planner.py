@@ -154,7 +154,7 @@ def explain(r: search.Result, target: topologies.Target) -> str:
     f"plan: {r.plan.label}",
     f"  predicted step {p['step_s']:.4f} s = compute {p['compute_s']:.4f} + memory-bound ops {p['memory_s']:.4f} "
     f"+ exposed ICI {p['exposed_ici_s']:.4f} (of {p['ici_s']:.4f}) + exposed DCN {p['exposed_dcn_s']:.4f} "
-    f"(of {p['dcn_s']:.4f})",
+    f"(of {p['dcn_s']:.4f}) + waits for async copies {p['exposed_copy_s']:.4f} (of {p['copy_s']:.4f})",
     f"  MFU {100 * p['mfu']:.1f}%, {p['tokens_per_s_per_chip']:,.0f} tokens/s/chip, bottleneck {r.bottleneck}",
     f"  device memory {r.device_bytes / GiB:.2f} GiB of {target.chip.hbm_bytes / GiB:.4g}, "
     f"host {r.host_bytes / GiB:.2f} GiB",
