@@ -87,10 +87,10 @@ class Interconnect:
       return COLLECTIVE_LATENCY_S if op.collective else 0.0
     if self.crosses_slices(op):
       return COLLECTIVE_LATENCY_S + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
-    # A collective whose replica groups named no mesh axes is costed by its group size (an empty product is 1,
-    # which would price it as a collective over one chip).
     if op.collective == "collective-permute":
       return COLLECTIVE_LATENCY_S + op.moved_bytes / self.link_bandwidth()
+    # A collective whose replica groups named no mesh axes is costed by its group size (an empty product is 1,
+    # which would price it as a collective over one chip).
     within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) if op.axes else op.group_size
     return COLLECTIVE_LATENCY_S + op.moved_bytes / self.send_bandwidth(within)
 
@@ -141,7 +141,7 @@ def predict(
     elapsed[name] = 0.0  # guards against recursion
     computation_ops = by_computation.get(name, [])
     runs = computation_ops[0].runs if computation_ops else 0.0
-    # async collectives in flight, in the order they started: [done name, seconds left, ici|dcn, links]
+    # async collectives and copies in flight, in the order they started: [done, seconds left, kind, links]
     in_flight: list[list] = []
     took = 0.0
 
