@@ -312,7 +312,7 @@ def test_an_async_copy_is_a_transfer_hidden_by_the_work_before_its_done():
 
 def test_transfers_over_the_same_links_go_one_after_another():
   chip = perf_model.CPU_CHIP
-  net = perf_model.Interconnect(chip, (8,), {"fsdp": 4, "tensor": 2}, {})
+  net = perf_model.Interconnect(chip, (16,), {"fsdp": 4, "tensor": 4}, {})
 
   def gather(name: str, axis: str) -> hlo_costs.Op:
     return hlo_costs.Op(
@@ -550,7 +550,7 @@ def test_a_synchronous_permute_is_a_transfer_from_when_its_input_is_ready_to_its
 
 def test_links_carry_the_published_one_way_bandwidth():
   """Cloud TPU's per-chip ICI figure is what the chip sends over all its links at once, one way each: a v5e link
-  carries 50 GB/s one way, a v5p link 100 GB/s (the scaling book's table)."""
+  carries 50 GB/s one way, a v5p link 100 GB/s (the scaling book's table); each hop costs about 1 us."""
   for family, one_way in (("v5e", 50e9), ("v5p", 100e9)):
     chip = topologies.CHIPS[family]
     net = perf_model.Interconnect(chip, (4,) * chip.dims, {"tensor": 4}, {})
@@ -558,9 +558,10 @@ def test_links_carry_the_published_one_way_bandwidth():
     permute = hlo_costs.Op("p", "collective-permute", "main", 1, collective="collective-permute", moved_bytes=size)
     permute.axes = ("tensor",)
     gather = hlo_costs.Op("g", "all-gather", "main", 1, collective="all-gather", moved_bytes=size, axes=("tensor",))
-    latency = perf_model.COLLECTIVE_LATENCY_S
-    assert net.seconds(permute) == pytest.approx(latency + size / one_way)  # one link, one way
-    assert net.seconds(gather) == pytest.approx(latency + size / (2 * one_way))  # a ring in one dimension: both ways
+    hop = perf_model.HOP_LATENCY_S
+    assert net.seconds(permute) == pytest.approx(hop + size / one_way)  # one link, one way, one hop
+    # a ring in one dimension: both ways, 3 hops around 4 chips
+    assert net.seconds(gather) == pytest.approx(3 * hop + size / (2 * one_way))
 
 
 _WINDOW_HLO = "\n".join(

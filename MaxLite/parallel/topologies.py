@@ -34,14 +34,15 @@ class Chip:
 # ICI: the published figure is the sum over the chip's links of one direction each: 2 x dims links of 100 GB/s
 # (v5p, v6e) or 50 GB/s (v5e, v4 45) one way ("How to Scale Your Model", Austin et al. 2025, TPU chapter's ICI table).
 # PCIe: about 15 GB/s per chip on v4/v5, 32 GB/s on v6e (the same book's TPU chapter).
-# DCN is not published per chip: 50 Gbit/s is an estimate (hosts have 100-400 Gbit/s NICs shared by 4-8 chips).
+# DCN: about 25 GB/s per host (the same book), shared by the host's chips: 4 on v4 / v5p (2x2x1), 8 on v5e / v6e
+# (4x2): 50 and 25 Gbit/s per chip.
 # HBM of v5p and v5e: what libtpu's compiler lets one program use, from its RESOURCE_EXHAUSTED message here ("95.74G
 # hbm", "15.75G hbm"), not the nominal 95 / 16 GiB: a program between 15.75 and 16 GiB does not run on a v5e chip.
 CHIPS = {
   "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 2400.0, 50.0),
   "v5p": Chip("v5p", 2, 3, int(95.74 * GiB), 459.0, "megacore", 2765.0, 4800.0, 50.0),
-  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 1600.0, 50.0),
-  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 3584.0, 50.0, 32.0),
+  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 1600.0, 25.0),
+  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 3584.0, 25.0, 32.0),
 }
 
 

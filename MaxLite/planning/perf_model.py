@@ -24,7 +24,9 @@ from MaxLite.parallel import topologies
 from MaxLite.parallel.topologies import Chip, Target
 from MaxLite.planning.hlo_costs import Op
 
-COLLECTIVE_LATENCY_S = 5e-6  # per collective: launch and synchronisation, whatever its size
+# Each hop over an ICI link costs about 1 us whatever the data ("How to Scale Your Model", sharding chapter): a ring
+# over n chips takes n - 1 hops, a permute to a neighbour one.
+HOP_LATENCY_S = 1e-6
 # The fraction of the bf16 peak a large matmul reaches: jnp.matmul of bf16 8192 x 8192 x 8192 on a TPU v5e ran at
 # 92.3% (JAX documentation, Pallas TPU guide "Matrix Multiplication", its XLA baseline; timed with dispatch
 # included). The one measured figure published for XLA's TPU matmuls; used for every chip and for the kernels too.
@@ -83,16 +85,23 @@ class Interconnect:
     if op.transfer:
       rate = self.chip.pcie_gbytes_per_s if op.transfer == "host" else self.chip.hbm_gbytes_per_s
       return op.moved_bytes / (rate * 1e9)
+    latency = self.latency(op)
     if op.moved_bytes <= 0:
-      return COLLECTIVE_LATENCY_S if op.collective else 0.0
+      return latency if op.collective else 0.0
     if self.crosses_slices(op):
-      return COLLECTIVE_LATENCY_S + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
+      return latency + op.moved_bytes / (self.chip.dcn_gbits_per_s / 8 * 1e9)
     if op.collective == "collective-permute":
-      return COLLECTIVE_LATENCY_S + op.moved_bytes / self.link_bandwidth()
+      return latency + op.moved_bytes / self.link_bandwidth()
+    return latency + op.moved_bytes / self.send_bandwidth(self.group(op))
+
+  def group(self, op: Op) -> int:
     # A collective whose replica groups named no mesh axes is costed by its group size (an empty product is 1,
     # which would price it as a collective over one chip).
-    within = math.prod(self.ici_sizes.get(a, 1) for a in op.axes) if op.axes else op.group_size
-    return COLLECTIVE_LATENCY_S + op.moved_bytes / self.send_bandwidth(within)
+    return math.prod(self.ici_sizes.get(a, 1) for a in op.axes) if op.axes else op.group_size
+
+  def latency(self, op: Op) -> float:
+    hops = 1 if op.collective == "collective-permute" else max(self.group(op) - 1, 1)
+    return HOP_LATENCY_S * hops
 
   def link_bandwidth(self) -> float:
     """Bytes/s over one link, one way (a torus has two links per dimension at each chip)."""
