@@ -562,6 +562,10 @@ def test_links_carry_the_published_one_way_bandwidth():
     assert net.seconds(permute) == pytest.approx(hop + size / one_way)  # one link, one way, one hop
     # a ring in one dimension: both ways, 3 hops around 4 chips
     assert net.seconds(gather) == pytest.approx(3 * hop + size / (2 * one_way))
+    # over the whole slice: a ring in every dimension, each at its share of the links
+    whole = dataclasses.replace(gather, axes=("fsdp",))
+    wide = perf_model.Interconnect(chip, (4,) * chip.dims, {"fsdp": 4**chip.dims}, {})
+    assert wide.seconds(whole) == pytest.approx(3 * chip.dims * hop + size / (2 * chip.dims * one_way))
 
 
 _WINDOW_HLO = "\n".join(

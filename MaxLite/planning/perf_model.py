@@ -25,7 +25,7 @@ from MaxLite.parallel.topologies import Chip, Target
 from MaxLite.planning.hlo_costs import Op
 
 # Each hop over an ICI link costs about 1 us whatever the data ("How to Scale Your Model", sharding chapter): a ring
-# over n chips takes n - 1 hops, a permute to a neighbour one.
+# over n chips takes n - 1 hops (a collective over several torus dimensions one ring per dimension), a permute one.
 HOP_LATENCY_S = 1e-6
 # The fraction of the bf16 peak a large matmul reaches: jnp.matmul of bf16 8192 x 8192 x 8192 on a TPU v5e ran at
 # 92.3% (JAX documentation, Pallas TPU guide "Matrix Multiplication", its XLA baseline; timed with dispatch
@@ -100,8 +100,19 @@ class Interconnect:
     return math.prod(self.ici_sizes.get(a, 1) for a in op.axes) if op.axes else op.group_size
 
   def latency(self, op: Op) -> float:
-    hops = 1 if op.collective == "collective-permute" else max(self.group(op) - 1, 1)
-    return HOP_LATENCY_S * hops
+    if op.collective == "collective-permute" or self.crosses_slices(op):
+      return HOP_LATENCY_S
+    return HOP_LATENCY_S * max(sum(size - 1 for size in self.ring_dims(self.group(op))), 1)
+
+  def ring_dims(self, group: int) -> list[int]:
+    """The torus dimensions a collective over `group` chips of the slice runs its rings in (largest first)."""
+    dims, covered = [], 1
+    for size in sorted(self.torus, reverse=True):  # the group's chips fill the largest torus dimensions first
+      if covered >= group:
+        break
+      covered *= size
+      dims.append(size)
+    return dims
 
   def link_bandwidth(self) -> float:
     """Bytes/s over one link, one way (a torus has two links per dimension at each chip)."""
@@ -109,14 +120,8 @@ class Interconnect:
 
   def send_bandwidth(self, group: int) -> float:
     """Bytes/s one chip sends in a collective over `group` chips of its slice."""
-    dims, covered = 0, 1
-    for size in sorted(self.torus, reverse=True):  # the group's chips fill the largest torus dimensions first
-      if covered >= group:
-        break
-      covered *= size
-      dims += 1
     total_send = self.chip.ici_gbits_per_s / 8 * 1e9
-    return total_send * max(dims, 1) / self.chip.dims
+    return total_send * max(len(self.ring_dims(group)), 1) / self.chip.dims
 
   def links(self, op: Op) -> tuple:
     """The links a collective occupies: a ring's, shared with every other collective over the same mesh axes; a
