@@ -126,9 +126,9 @@ class Interconnect:
   def links(self, op: Op) -> tuple:
     """The links a collective occupies: a ring's, shared with every other collective over the same mesh axes; a
     permute's one link one way (told apart by the op)."""
+    kind = self.kind(op)
     if op.transfer:
-      return ("copy", op.transfer)
-    kind = "dcn" if self.crosses_slices(op) else "ici"
+      return (kind, op.transfer)
     return (kind, op.axes, op.name) if op.collective == "collective-permute" else (kind, op.axes)
 
   def kind(self, op: Op) -> str:
@@ -136,6 +136,14 @@ class Interconnect:
 
   def crosses_slices(self, op: Op) -> bool:
     return math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
+
+
+@dataclasses.dataclass
+class _InFlight:
+  done: str  # the op that waits for it ("" = synchronous: the step waits at once)
+  left: float  # seconds of transfer still to go
+  kind: str  # ici | dcn | copy
+  links: tuple  # what it shares with other transfers (Interconnect.links)
 
 
 def predict(
@@ -155,22 +163,21 @@ def predict(
     elapsed[name] = 0.0  # guards against recursion
     computation_ops = by_computation.get(name, [])
     runs = computation_ops[0].runs if computation_ops else 0.0
-    # async collectives and copies in flight, in the order they started: [done, seconds left, kind, links]
-    in_flight: list[list] = []
+    in_flight: list[_InFlight] = []  # async collectives and copies, in the order they started
     took = 0.0
 
     def progress(seconds: float) -> None:  # transfers sharing links go one after another, in start order
       budget: dict[tuple, float] = defaultdict(lambda: seconds)
       for transfer in in_flight:
-        used = min(budget[transfer[3]], transfer[1])
-        transfer[1] -= used
-        budget[transfer[3]] -= used
+        used = min(budget[transfer.links], transfer.left)
+        transfer.left -= used
+        budget[transfer.links] -= used
 
-    def wait(transfer: list) -> None:  # the step waits until the transfer (and those ahead of it) are done
+    def wait(transfer: _InFlight) -> None:  # the step waits until the transfer (and those ahead of it) are done
       nonlocal took
-      ahead = [t for t in in_flight[: in_flight.index(transfer)] if t[3] == transfer[3]]
-      left = sum(t[1] for t in ahead) + transfer[1]
-      totals[f"exposed_{transfer[2]}_s"] += left * runs
+      ahead = [t for t in in_flight[: in_flight.index(transfer)] if t.links == transfer.links]
+      left = sum(t.left for t in ahead) + transfer.left
+      totals[f"exposed_{transfer.kind}_s"] += left * runs
       took += left
       progress(left)
       in_flight.remove(transfer)
@@ -179,7 +186,7 @@ def predict(
       if op.collective or op.transfer:
         seconds, kind = net.seconds(op), net.kind(op)
         totals[f"{kind}_s"] += seconds * runs
-        transfer = [op.done, seconds, kind, net.links(op)]
+        transfer = _InFlight(op.done, seconds, kind, net.links(op))
         in_flight.append(transfer)
         if not op.done:
           wait(transfer)
@@ -192,7 +199,7 @@ def predict(
         totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
       took += seconds
       progress(seconds)
-      for transfer in [t for t in in_flight if t[0] == op.name]:
+      for transfer in [t for t in in_flight if t.done == op.name]:
         wait(transfer)
     for transfer in list(in_flight):  # a done we did not see (its op is free, e.g. a *-done): wait for the rest
       wait(transfer)
