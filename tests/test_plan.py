@@ -14,7 +14,7 @@ import pytest
 from conftest import FAST_COMPILE, REPO, first_devices, make_config
 
 from MaxLite.parallel import topologies
-from MaxLite.planning import hlo_costs, perf_model
+from MaxLite.planning import candidates, hlo_costs, hlo_text, perf_model, planner, search
 from MaxLite.training import flops
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
@@ -62,9 +62,77 @@ def test_replica_group_spellings_agree():
     "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}",
   ]
   for attrs in spellings:
-    assert hlo_costs._group_axes(attrs, MESH_AXES, shape) == (("tensor",), 2), attrs  # pylint: disable=protected-access
+    assert hlo_costs._group_axes(attrs, MESH_AXES, shape) == (("tensor",), 2, ""), attrs  # pylint: disable=protected-access
   transposed = "replica_groups=[2,4]<=[4,2]T(1,0)"
-  assert hlo_costs._group_axes(transposed, MESH_AXES, shape) == (("fsdp",), 4)  # pylint: disable=protected-access
+  assert hlo_costs._group_axes(transposed, MESH_AXES, shape) == (("fsdp",), 4, "")  # pylint: disable=protected-access
+
+
+def test_empty_or_unreadable_replica_groups_are_never_free():
+  """`replica_groups={}` on a cross-partition collective is every device (XLA's meaning); a spelling the reader
+  does not know is costed as every device too, and says so, instead of as a group of one that moves nothing."""
+  shape = (1, 1, 4, 1, 2, 1)
+  everyone = (("fsdp", "tensor"), 8)
+  empty = hlo_costs._group_axes("channel_id=3, replica_groups={}, use_global_device_ids=true", MESH_AXES, shape)
+  assert empty == (*everyone, "")
+  axes, size, assumed = hlo_costs._group_axes("replica_groups=<a future spelling>", MESH_AXES, shape)
+  assert (axes, size) == everyone and "unreadable" in assumed
+  line = (
+    "  %ar = f32[1024]{0} all-reduce(f32[1024]{0} %p), channel_id=1, replica_groups=<a future spelling>, to_apply=%add"
+  )
+  text = "\n".join(
+    ["%add (a: f32[], b: f32[]) -> f32[] {", "  %a = f32[] parameter(0)", "  %b = f32[] parameter(1)",
+     "  ROOT %s = f32[] add(f32[] %a, f32[] %b)", "}", "ENTRY %main (p: f32[1024]) -> f32[1024] {",
+     "  %p = f32[1024]{0} parameter(0)", line, "}"]
+  )  # fmt: skip
+  ops = hlo_costs.device_ops(text, MESH_AXES, shape)
+  reduce = next(o for o in ops if o.collective == "all-reduce")
+  assert reduce.moved_bytes == 2 * 4096 * 7 / 8 and reduce.group_size == 8
+  assert hlo_costs.assumptions(ops) == [f"all-reduce ar: {assumed}"]
+
+
+def test_a_loop_whose_trip_count_cannot_be_read_counts_as_the_longest_loop_read():
+  """Two loops around the same matmul: one with XLA's known trip count (5), one bounded by a value the reader cannot
+  see. The unread one counts 5 trips, not 1, and the ops say so."""
+
+  def body(name: str) -> list[str]:
+    return [
+      f"%{name}_body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{",
+      "  %t = (s32[], f32[8,8]{1,0}) parameter(0)",
+      "  %i = s32[] get-tuple-element((s32[], f32[8,8]{1,0}) %t), index=0",
+      "  %x = f32[8,8]{1,0} get-tuple-element((s32[], f32[8,8]{1,0}) %t), index=1",
+      "  %y = f32[8,8]{1,0} dot(f32[8,8]{1,0} %x, f32[8,8]{1,0} %x), lhs_contracting_dims={1}, "
+      "rhs_contracting_dims={0}",
+      "  ROOT %r = (s32[], f32[8,8]{1,0}) tuple(s32[] %i, f32[8,8]{1,0} %y)",
+      "}",
+    ]
+
+  text = "\n".join(
+    body("known")
+    + body("unknown")
+    + [
+      "%cond (c: (s32[], f32[8,8])) -> pred[] {",
+      "  %c = (s32[], f32[8,8]{1,0}) parameter(0)",
+      "  %k = s32[] get-tuple-element((s32[], f32[8,8]{1,0}) %c), index=0",
+      '  %n = s32[] custom-call(), custom_call_target="limit"',
+      "  ROOT %lt = pred[] compare(s32[] %k, s32[] %n), direction=LT",
+      "}",
+      "ENTRY %main (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {",
+      "  %p = (s32[], f32[8,8]{1,0}) parameter(0)",
+      "  %w1 = (s32[], f32[8,8]{1,0}) while((s32[], f32[8,8]{1,0}) %p), condition=%cond, body=%known_body, "
+      'backend_config={"known_trip_count":{"n":"5"}}',
+      "  ROOT %w2 = (s32[], f32[8,8]{1,0}) while((s32[], f32[8,8]{1,0}) %w1), condition=%cond, body=%unknown_body",
+      "}",
+    ]
+  )
+  ops = hlo_costs.device_ops(text, ("data",), (1,))
+  matmul = 2 * 8 * 8 * 8
+  assert hlo_costs.summary(ops)["flops"] == 2 * 5 * matmul
+  assert hlo_costs.assumptions(ops) == ["while w2: trip count unreadable: counted as 5, the largest in the program"]
+  prediction = perf_model.predict(ops, perf_model.Interconnect(perf_model.CPU_CHIP, (1,), {}, {}), matmul, 1.0)
+  result = search.Result(candidates.Candidate({}), True, prediction=dataclasses.asdict(prediction))
+  result.assumed = hlo_costs.assumptions(ops)
+  shown = planner.explain(result, perf_model.planning_target("cpu-1"))
+  assert "costed on an assumption (1):\n    while w2: trip count unreadable" in shown
 
 
 def _matmul_rate(chip: topologies.Chip) -> float:
@@ -126,6 +194,7 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
   recomputed = float(re.search(r"matmul FLOPs as compiled: ([\d.]+)x the model's", again.stdout).group(1))
   assert 1 + 0.5 * layers_forward < recomputed < 1 + 1.5 * layers_forward, again.stdout
   assert "compiled," not in again.stderr  # no progress line: nothing was compiled
+  assert "costed on an assumption" not in again.stdout  # every loop and group of a real program was read
   assert _ranked_rows(again.stdout) == rows
 
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
@@ -199,10 +268,10 @@ def test_a_combined_all_gather_moves_every_array_it_gathers(opcode):
   result = "(bf16[1024,128], f32[256,64])"
   if opcode.endswith("-start"):
     result = f"((bf16[256,128], f32[64,64]), {result})"
-  instr = hlo_costs._Instr("ag", result, opcode, ["a", "b"], "")
+  instr = hlo_text.Instr("ag", result, opcode, ["a", "b"], "")
   gathered = 1024 * 128 * 2 + 256 * 64 * 4
   assert hlo_costs._moved_bytes("all-gather", instr, shapes, 4) == pytest.approx(gathered * 3 / 4)
-  reduce = hlo_costs._Instr("rs", "(bf16[64,128], f32[16,64])", "reduce-scatter", ["a", "b"], "")
+  reduce = hlo_text.Instr("rs", "(bf16[64,128], f32[16,64])", "reduce-scatter", ["a", "b"], "")
   operands = 256 * 128 * 2 + 64 * 64 * 4
   assert hlo_costs._moved_bytes("reduce-scatter", reduce, shapes, 4) == pytest.approx(operands * 3 / 4)
 
@@ -642,3 +711,61 @@ def test_splash_kernels_in_the_program_are_costed_by_the_blocks_they_compute():
   # the last of two sequence shards (queries 1024-2047 of 2048 keys) sees every earlier key: 3 + 4 blocks of 512
   sharded = ("fwd", 2, 4, 1024, 2048, 128)
   assert hlo_costs.splash_kernel_flops(sharded, 512, 512) == 2 * 2 * 2 * 4 * 7 * 512 * 512 * 128
+
+
+def test_a_splash_kernel_is_read_as_attention_over_its_query_and_key_shapes():
+  """Pallas kernels show only their operands (mask blocks, queries, keys, values, segment ids padded to 128 lanes).
+  A sequence shard's queries (512 of 1024 positions) see every key; with grouped-query attention the keys have fewer
+  heads."""
+  mask, segments = "s8[9,512,512]{2,1,0}", "s32[2,1024,128]{2,1,0}"
+  for q, kv, shape in [
+    ("bf16[2,8,512,128]{3,2,1,0}", "bf16[2,8,1024,128]{3,2,1,0}", (2, 8, 512, 1024, 128)),
+    ("bf16[2,16,1024,64]{3,2,1,0}", "bf16[2,4,1024,64]{3,2,1,0}", (2, 16, 1024, 1024, 64)),
+  ]:
+    text = "\n".join(
+      [
+        f"ENTRY %main (m: {mask}, q: {q}, k: {kv}, v: {kv}, s: {segments}) -> {q} {{",
+        f"  %m = {mask} parameter(0)",
+        f"  %q = {q} parameter(1)",
+        f"  %k = {kv} parameter(2)",
+        f"  %v = {kv} parameter(3)",
+        f"  %s = {segments} parameter(4)",
+        f"  ROOT %splash_mha_fwd.3 = {q} custom-call({mask} %m, {q} %q, {kv} %k, {kv} %v, {segments} %s), "
+        'custom_call_target="tpu_custom_call"',
+        "}",
+      ]
+    )
+    (kernel,) = [o for o in hlo_costs.device_ops(text, ("data",), (1,)) if o.attention]
+    assert kernel.attention == ("fwd", *shape)
+
+
+@pytest.fixture(scope="module")
+def compiled_matmul_flops():
+  """Matmul FLOPs of the tiny model's compiled train step (one device, plain attention) per remat policy."""
+  from MaxLite.aot import compile_step
+
+  found = {}
+
+  def count(policy: str) -> tuple[float, dict]:
+    if policy not in found:
+      config = make_config("model_name=tiny", "max_target_length=64", "attention=dot_product", f"remat_policy={policy}")
+      text = compile_step.lower_train_step(config, first_devices(1))[0].compile().as_text()
+      found[policy] = hlo_costs.summary(hlo_costs.device_ops(text, ("data",), (1,)))["flops"], config.to_dict()
+    return found[policy]
+
+  return count
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj"])
+def test_the_recomputation_the_planner_counts_is_at_most_what_the_compiled_step_recomputes(
+  compiled_matmul_flops, policy
+):
+  """The optimistic time adds the policy's recomputation, derived from the names it keeps, to the model's FLOPs. It
+  must not exceed what the compiled step really runs again (or the search could stop before the fastest plan), and
+  it must count most of it (else the bound says little): plain attention computes every score where the count takes
+  the causal half, so `minimal`, which recomputes only the attention, is counted at half of it."""
+  baseline, _ = compiled_matmul_flops("none")
+  compiled, config = compiled_matmul_flops(policy)
+  counted = candidates.recomputed_flops(config)
+  print(f"{policy}: recomputed as compiled {compiled - baseline:.4g}, counted {counted:.4g}")
+  assert 0.45 * (compiled - baseline) <= counted <= compiled - baseline

@@ -21,19 +21,6 @@ from MaxLite.planning.perf_model import MATMUL_EFFICIENCY
 from MaxLite.training import flops
 
 GiB = 2**30
-# Recomputation each remat policy adds to the model FLOPs (forward = 1/3 of a training step; "full" recomputes it
-# all, the others only what they do not save). Offloaded variants recompute what their namesakes do.
-RECOMPUTE = {
-  "none": 1.0,
-  "minimal": 1.03,
-  "minimal_offloaded": 1.03,
-  "save_dot_except_mlp": 1.2,
-  "save_dot_except_mlp_offloaded": 1.2,
-  "save_qkv_proj": 1.25,
-  "qkv_proj_offloaded": 1.25,
-  "save_out_proj": 1.28,
-  "full": 4 / 3,
-}
 REMAT_SEARCHED = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "qkv_proj_offloaded", "minimal_offloaded")
 # remat_policy=custom choices worth a compile: full rematerialisation with the layer inputs (what `full` keeps) in host
 # memory instead of HBM, alone or with q/k/v kept on the device.
@@ -157,6 +144,34 @@ def memory_lower_bound(c: dict[str, Any]) -> float:
   return state + layers * tokens / mesh["sequence"] * per_token * act
 
 
+def recomputed_flops(c: dict[str, Any]) -> float:
+  """Forward matmul FLOPs per step that the remat policy runs again in the backward pass, at least: each of a
+  layer's matmuls whose output the backward needs (q, k, v and the attention for the attention's gradients, the
+  output projection for the second norm's input, the MLP's input projections for its gate) and that the policy
+  neither keeps nor offloads. The MLP's output projection is never needed, so never recomputed."""
+  if c["remat_policy"] == "none":
+    return 0.0
+  kept = set(sum(choices.placement(c), ()))
+  tokens = c["global_batch_size_to_train_on"] * c["max_target_length"]
+  emb, d, q, kv = c["base_emb_dim"], c["head_dim"], c["base_num_query_heads"], c["base_num_kv_heads"]
+  qkv_names = {"query_proj": q, "key_proj": kv, "value_proj": kv}
+  if c["fused_qkv"]:
+    per_token = 0 if "qkv_proj" in kept else 2 * emb * d * (q + 2 * kv)
+  else:
+    per_token = sum(2 * emb * d * heads for name, heads in qkv_names.items() if name not in kept)
+  if "context" not in kept:
+    per_token += 2 * 2 * c["max_target_length"] * q * d / 2  # q.k and p.v under the causal mask
+  if "out_proj" not in kept:
+    per_token += 2 * q * d * emb
+  if c["num_experts"] > 1:
+    gate_up = {"moe_mlpwi_0", "moe_mlpwi_1"} - kept
+    per_token += len(gate_up) * 2 * emb * c["moe_mlp_dim"] * c["num_experts_per_tok"]
+  else:
+    gate_up = ({"mlpwi"} if c["fused_mlp"] else {"mlpwi_0", "mlpwi_1"}) - kept
+    per_token += len(gate_up) * 2 * emb * c["base_mlp_dim"] * (2 if c["fused_mlp"] else 1)
+  return float(c["base_num_decoder_layers"] * tokens * per_token)
+
+
 def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   """A lower bound on the step time: matmul FLOPs (with recomputation) at the matmul rate the model uses, or the
   FSDP weight gathers and gradient reductions, the data-parallel gradient all-reduce and the tensor-parallel
@@ -164,8 +179,8 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   best: windowed einsums overlap even the tensor-parallel transfers)."""
   chip = target.chip
   mesh = dict(zip(choices.MESH_AXES, c["mesh_shape"]))
-  per_device = flops.training_flops_per_step(Config(c))["total"] / c["num_devices"]
-  compute = per_device * RECOMPUTE.get(c["remat_policy"], 1.0) / (chip.peak_bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+  per_device = (flops.training_flops_per_step(Config(c))["total"] + recomputed_flops(c)) / c["num_devices"]
+  compute = per_device / (chip.peak_bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
   send = chip.ici_gbits_per_s / 8 * 1e9
   weight = 2 if c["weight_dtype"] == "bfloat16" else 4
   shard = c["num_params"] / (c["num_devices"] / mesh["data"])

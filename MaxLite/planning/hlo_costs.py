@@ -4,7 +4,8 @@ Per device-level instruction, in schedule order: matmul FLOPs (dots and convolut
 Pallas kernels by the cost estimate they carry), HBM bytes (operands + result of each top-level fusion or op),
 and for collectives the bytes each device moves and the mesh axes the group spans. Every count is multiplied by
 how often its computation runs: while loops (the scanned layers, gradient accumulation) by their known trip
-count, so a 32-layer scan counts 32 layers, not one as XLA's cost_analysis() does.
+count, so a 32-layer scan counts 32 layers, not one as XLA's cost_analysis() does. Reading the text itself is
+hlo_text.py's; where it had to assume something, the op says what (`Op.assumed`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
+from absl import logging
 
-BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16})
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\((.*)\)\s+->\s+.*\{\s*$")
+from MaxLite.planning.hlo_text import (
+  BYTES,
+  Computations,
+  Instr,
+  array_bytes,
+  arrays,
+  called,
+  dims,
+  fused_body,
+  parse_computations,
+  replica_groups,
+  run_counts,
+)
+
 # The op names jax gives grouped matmuls: XLA's TPU lowering of ragged_dot, and the megablox kernels (gmm, tgmm).
 _GROUPED_MATMUL = re.compile(r'op_name="[^"]*(ragged_dot_general|jit\(t?gmm\))')
 # Splash attention's Pallas kernels, named by jax's splash_attention_kernel.get_kernel_name (mha/mqa, phase).
@@ -70,178 +82,13 @@ class Op:
   # a splash attention kernel: (phase, batch, query heads, query length, key length, head dim); its FLOPs depend on
   # the kernel's block sizes, which the HLO does not show (splash_kernel_flops)
   attention: tuple = ()
+  assumed: str = ""  # what the reader had to assume for this op (the text did not say), "" if nothing
 
 
-@dataclasses.dataclass
-class _Instr:
-  name: str
-  shape: str
-  opcode: str
-  operands: list[str]
-  attrs: str
-  args: str = ""  # the text between the parentheses (a constant's value)
-
-
-def array_bytes(shape: str) -> int:
-  return sum(BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
-
-
-def _dims(shape: str) -> list[int]:
-  found = _ARRAY.search(shape)
-  return [int(d) for d in found.group(2).split(",") if d] if found else []
-
-
-def _matching(text: str, start: int) -> int:
-  """Index just past the bracket that closes the one at `start`."""
-  depth = 0
-  pairs = {"(": ")", "{": "}", "[": "]"}
-  opening = text[start]
-  for i in range(start, len(text)):
-    if text[i] == opening:
-      depth += 1
-    elif text[i] == pairs[opening]:
-      depth -= 1
-      if depth == 0:
-        return i + 1
-  return len(text)
-
-
-def _parse_instruction(line: str) -> _Instr | None:
-  match = re.match(r"\s*(?:ROOT\s+)?%(\S+)\s+=\s+", line)
-  if not match:
-    return None
-  rest = line[match.end() :]
-  if rest.startswith("("):
-    end = _matching(rest, 0)
-    shape, rest = rest[:end], rest[end:].lstrip()
-  else:
-    shape, _, rest = rest.partition(" ")
-  opcode_match = re.match(r"([\w-]+)\(", rest)
-  if not opcode_match:
-    return None
-  close = _matching(rest, opcode_match.end() - 1)
-  args = rest[opcode_match.end() : close - 1]
-  operands = re.findall(r"%([\w.-]+)", args)
-  return _Instr(match.group(1), shape, opcode_match.group(1), operands, rest[close:], args)
-
-
-def parse_computations(text: str) -> tuple[dict[str, list[_Instr]], dict[str, str], str]:
-  """(computation -> instructions in order, value name -> shape, entry computation name)."""
-  computations: dict[str, list[_Instr]] = {}
-  shapes: dict[str, str] = {}
-  entry, current = "", None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = header.group(1)
-      computations[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-      for param in re.finditer(r"([\w.-]+):\s+(\([^)]*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)", header.group(2)):
-        shapes[param.group(1)] = param.group(2)
-      continue
-    if current is None:
-      continue
-    if line.rstrip() == "}":
-      current = None
-      continue
-    instr = _parse_instruction(line)
-    if instr:
-      computations[current].append(instr)
-      shapes[instr.name] = instr.shape
-    elif computations[current]:  # a backend config that spans lines (Pallas kernels' metadata)
-      computations[current][-1].attrs += "\n" + line
-  return computations, shapes, entry
-
-
-def _trip_count(instr: _Instr, computations: dict[str, list[_Instr]], parent: dict[str, _Instr]) -> int:
-  """XLA's known trip count; else (TPU) from the loop itself: `counter < N` in the condition, the counter's
-  increment in the body (windowed einsums step by 2) and its start in the while's operand tuple (else 0)."""
-  found = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
-  if found:
-    return int(found.group(1))
-  names = dict(re.findall(r"\b(condition|body)=%([\w.-]+)", instr.attrs))
-  condition, body = computations.get(names.get("condition"), []), computations.get(names.get("body"), [])
-  bound, index, inclusive = _loop_bound(condition)
-  if bound is None:
-    return 1
-  step, start = 1, 0
-  body_by_name = {i.name: i for i in body}
-  root = next((i for i in reversed(body) if i.opcode == "tuple"), None)
-  if root is not None and index < len(root.operands):
-    update = body_by_name.get(root.operands[index])
-    if update is not None and update.opcode == "add":
-      step = next((_constant(body_by_name.get(o)) for o in update.operands if _constant(body_by_name.get(o))), 1)
-  init = parent.get(instr.operands[0]) if instr.operands else None
-  if init is not None and init.opcode == "tuple" and index < len(init.operands):
-    start = _constant(parent.get(init.operands[index])) or 0
-  return max(1, math.ceil((bound + inclusive - start) / max(step, 1)))
-
-
-def _constant(instr: _Instr | None) -> int | None:
-  if instr is None or instr.opcode != "constant" or not re.fullmatch(r"-?\d+", instr.args):
-    return None
-  return int(instr.args)
-
-
-def _loop_bound(condition: list[_Instr]) -> tuple[int | None, int, int]:
-  """(N, tuple index of the counter, 1 if `<=`) of a condition `counter < N`; (None, 0, 0) if not that shape."""
-  by_name = {i.name: i for i in condition}
-  for i in condition:
-    direction = re.search(r"direction=(LT|LE)", i.attrs)
-    if i.opcode != "compare" or not direction or len(i.operands) != 2:
-      continue
-    counter, limit = (by_name.get(o) for o in i.operands)
-    bound = _constant(limit)
-    index = re.search(r"index=(\d+)", counter.attrs) if counter is not None else None
-    if bound is not None and counter is not None and counter.opcode == "get-tuple-element" and index:
-      return bound, int(index.group(1)), int(direction.group(1) == "LE")
-  return None, 0, 0
-
-
-def _called(attrs: str) -> list[tuple[str, str]]:
-  """(role, computation) pairs an instruction calls."""
-  out = [(role, name) for role, name in re.findall(r"\b(calls|body|condition|to_apply)=%([\w.-]+)", attrs)]
-  branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
-  if branches:
-    out += [("branch", n) for n in re.findall(r"%([\w.-]+)", branches.group(1))]
-  return out
-
-
-def run_counts(computations: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, float], set[str]]:
-  """(times each computation runs per step, the computations whose instructions are device-level ops:
-  entry, loop bodies and conditions, called and branch computations; not fusions or reducers)."""
-  edges: dict[str, list[tuple[str, float]]] = defaultdict(list)
-  indegree: dict[str, int] = defaultdict(int)
-  scheduled = {entry}
-  for name, instrs in computations.items():
-    by_name = {i.name: i for i in instrs}
-    for instr in instrs:
-      trips = _trip_count(instr, computations, by_name) if instr.opcode == "while" else 1
-      for role, child in _called(instr.attrs):
-        if child not in computations:
-          continue
-        edges[name].append((child, trips if role in ("body", "condition") else 1))
-        indegree[child] += 1
-        if role in ("body", "condition", "branch") or (role == "calls" and instr.opcode in ("call", "async-start")):
-          scheduled.add(child)
-  runs: dict[str, float] = defaultdict(float)
-  runs[entry] = 1.0
-  ready = [n for n in computations if indegree[n] == 0]
-  while ready:  # topological order over the call graph (a DAG)
-    name = ready.pop()
-    for child, factor in edges[name]:
-      runs[child] += runs[name] * factor
-      indegree[child] -= 1
-      if indegree[child] == 0:
-        ready.append(child)
-  return dict(runs), scheduled
-
-
-def _matmul_flops(instr: _Instr, shapes: dict[str, str]) -> float:
-  out = math.prod(_dims(instr.shape))
+def _matmul_flops(instr: Instr, shapes: dict[str, str]) -> float:
+  out = math.prod(dims(instr.shape))
   if instr.opcode == "dot":
-    lhs = _dims(shapes.get(instr.operands[0], "")) if instr.operands else []
+    lhs = dims(shapes.get(instr.operands[0], "")) if instr.operands else []
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
     k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting and lhs else 1
     return 2.0 * out * k
@@ -250,13 +97,13 @@ def _matmul_flops(instr: _Instr, shapes: dict[str, str]) -> float:
   return 0.0
 
 
-def _convolution_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+def _convolution_flops(instr: Instr, shapes: dict[str, str]) -> float:
   """2 x (batch x output features x input features) x, per spatial dim, the (output, tap) pairs that land inside
   the input. XLA's TPU matmuls are convolutions whose spatial dims often carry a batch dim as a fully padded,
   reversed window: counting only the taps that touch real input gets those right (one tap per output)."""
   labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
-  lhs, rhs = _dims(shapes.get(instr.operands[0], "")), _dims(shapes.get(instr.operands[1], ""))
-  out = _dims(instr.shape)
+  lhs, rhs = dims(shapes.get(instr.operands[0], "")), dims(shapes.get(instr.operands[1], ""))
+  out = dims(instr.shape)
   if not labels or not lhs or not rhs or not out:
     return 0.0
   lhs_labels, rhs_labels, out_labels = labels.groups()
@@ -278,19 +125,20 @@ def _convolution_flops(instr: _Instr, shapes: dict[str, str]) -> float:
   return 2.0 * batch * rhs[rhs_labels.index("o")] * rhs[rhs_labels.index("i")] * pairs
 
 
-def _attention_dims(instr: _Instr, shapes: dict[str, str]) -> tuple[int, ...]:
-  """(batch, query heads, query length, key length, head dim) of a splash kernel from its operands: the queries
-  are the largest [..., heads, length, head_dim] operand, the keys' length the longest such operand's."""
-  arrays = []
-  for operand in instr.operands:
-    for _, dims in _ARRAY.findall(shapes.get(operand, "")):
-      d = [int(x) for x in dims.split(",") if x]
-      if len(d) >= 3:
-        arrays.append(d)
-  if not arrays:
+def _attention_dims(instr: Instr, shapes: dict[str, str]) -> tuple[int, ...]:
+  """(batch, query heads, query length, key length, head dim) of a splash kernel from its operands (it has no other
+  description). Queries, keys and values are the operands of the same type, rank and last (head) dim as the one
+  with the most bytes; mask blocks, segment ids and index tables differ in one of them. The queries have the most
+  heads (grouped-query attention shares keys) and, among those, the shortest length (a sequence shard's queries
+  against every key); the key length is the longest."""
+  typed = [(t, d) for o in instr.operands for t, d in arrays(shapes.get(o, "")) if len(d) >= 3]
+  if not typed:
     return ()
-  q = max(arrays, key=lambda d: (math.prod(d), d[-3]))
-  return math.prod(q[:-3]), q[-3], q[-2], max(d[-2] for d in arrays if d[-1] == q[-1]), q[-1]
+  kind, largest = max(typed, key=lambda td: BYTES.get(td[0], 4) * math.prod(td[1]))
+  qkv = [d for t, d in typed if t == kind and len(d) == len(largest) and d[-1] == largest[-1]]
+  heads = max(d[-3] for d in qkv)
+  q = min((d for d in qkv if d[-3] == heads), key=lambda d: d[-2])
+  return math.prod(q[:-3]), heads, q[-2], max(d[-2] for d in qkv), q[-1]
 
 
 def splash_kernel_flops(attention: tuple, block_q: int, block_kv: int, fused_backward: bool = False) -> float:
@@ -308,53 +156,24 @@ def splash_kernel_flops(attention: tuple, block_q: int, block_kv: int, fused_bac
   return 2.0 * matmuls * batch * heads * pairs * head_dim
 
 
-def _custom_call_flops(instr: _Instr) -> float:
+def _custom_call_flops(instr: Instr) -> float:
   """Pallas kernels (splash attention) carry their own cost estimate in the backend config."""
   found = re.search(r'"flops"\s*:\s*"?(\d+)', instr.attrs) or re.search(r"flops[\"']?\s*[:=]\s*(\d+)", instr.attrs)
   return float(found.group(1)) if found else 0.0
 
 
-def _group_axes(attrs: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -> tuple[tuple[str, ...], int]:
-  """(mesh axes a collective's groups span, group size) from its replica_groups, in any of XLA's three spellings."""
-  named = re.search(
-    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attrs
-  )
-  if named:  # mesh['axis_0'=4,'axis_1'=2][, device_ids=([2,4]T(1,0))] {'axis_0'}: XLA's device mesh, the axes used
-    sizes = dict((n, int(s)) for n, s in re.findall(r"'([\w]+)'=(\d+)", named.group(1)))
-    chosen = [list(sizes).index(a) for a in re.findall(r"'([\w]+)'", named.group(4))]
-    ids = np.arange(math.prod(sizes.values()))
-    if named.group(2):  # the mesh's devices in order: an iota reshaped and transposed
-      ids = ids.reshape([int(d) for d in named.group(2).split(",")])
-      ids = ids.transpose([int(p) for p in named.group(3).split(",")]) if named.group(3) else ids
-    ids = ids.reshape(list(sizes.values()))
-    rest = [i for i in range(ids.ndim) if i not in chosen]
-    groups = ids.transpose(rest + chosen).reshape(-1, math.prod(ids.shape[i] for i in chosen))
-  else:
-    groups = _replica_groups(attrs)
+def _group_axes(attrs: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -> tuple[tuple[str, ...], int, str]:
+  """(mesh axes a collective's groups span, group size, what was assumed). Replica groups in a spelling not known
+  here are taken as one group of every device (the most any collective can span, over every link kind the mesh
+  has) rather than as free."""
+  num_devices = math.prod(mesh_shape)
+  groups = replica_groups(attrs, num_devices)
   if groups is None or groups.size == 0:
-    return (), 1
-  coords = np.stack(np.unravel_index(groups[0] % math.prod(mesh_shape), tuple(mesh_shape)), axis=-1)
+    everywhere = tuple(a for a, n in zip(mesh_axes, mesh_shape) if n > 1)
+    return everywhere, num_devices, f"replica groups unreadable: costed as one group of all {num_devices} devices"
+  coords = np.stack(np.unravel_index(groups[0] % num_devices, tuple(mesh_shape)), axis=-1)
   varying = tuple(a for i, a in enumerate(mesh_axes) if len(set(coords[:, i])) > 1)
-  return varying, int(groups.shape[1])
-
-
-def _replica_groups(attrs: str) -> np.ndarray | None:
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
-  if iota:
-    dims = [int(d) for d in iota.group(3).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if iota.group(4):
-      ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-    return ids.reshape(int(iota.group(1)), int(iota.group(2)))
-  explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
-  if explicit:
-    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
-    if groups and all(len(g) == len(groups[0]) for g in groups):
-      return np.asarray(groups)
-  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-  if pairs:  # collective-permute: each pair is a group of two
-    return np.asarray([[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0))])
-  return None
+  return varying, int(groups.shape[1]), ""
 
 
 def _collective_kind(opcode: str) -> str:
@@ -365,7 +184,7 @@ def _collective_kind(opcode: str) -> str:
 def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -> list[Op]:
   """The device-level instructions of the compiled step, in schedule order, with their costs."""
   computations, shapes, entry = parse_computations(text)
-  runs, scheduled = run_counts(computations, entry)
+  runs, scheduled, loops_assumed = run_counts(computations, entry)
   flops_in: dict[str, float] = {}
 
   def computation_flops(name: str) -> float:  # matmul FLOPs of a fusion body, nested fusions included
@@ -375,7 +194,7 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
       for instr in computations.get(name, []):
         total += _matmul_flops(instr, shapes)
         if instr.opcode == "fusion":
-          total += sum(computation_flops(c) for _, c in _called(instr.attrs))
+          total += sum(computation_flops(c) for _, c in called(instr.attrs))
       flops_in[name] = total
     return flops_in[name]
 
@@ -396,8 +215,9 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         ops.append(Op(instr.name, instr.opcode, name, runs[name]))
         continue
       if instr.opcode in ("while", "call", "conditional"):
-        inside = tuple(c for role, c in _called(instr.attrs) if role in ("body", "calls", "branch"))
+        inside = tuple(c for role, c in called(instr.attrs) if role in ("body", "calls", "branch"))
         ops.append(Op(instr.name, instr.opcode, name, runs[name], runs_inside=inside))
+        ops[-1].assumed = loops_assumed.get(instr.name, "")
         continue
       if instr.opcode in _FREE:
         continue
@@ -405,20 +225,20 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
       op.hbm_bytes = _hbm_bytes(instr, computations, shapes)
       op.flops = _matmul_flops(instr, shapes)
       if instr.opcode == "fusion":
-        op.flops += sum(computation_flops(c) for _, c in _called(instr.attrs))
+        op.flops += sum(computation_flops(c) for _, c in called(instr.attrs))
       elif instr.opcode == "custom-call":
         op.flops += _custom_call_flops(instr)
         op.grouped_matmul = bool(_GROUPED_MATMUL.search(instr.attrs))
         splash = _SPLASH.match(instr.name)
-        dims = _attention_dims(instr, shapes) if splash else ()
-        op.attention = (splash.group(1), *dims) if dims else ()
+        attention = _attention_dims(instr, shapes) if splash else ()
+        op.attention = (splash.group(1), *attention) if attention else ()
       if instr.opcode in _TRANSFERS:
         op.transfer = "host" if _HOST_MEMORY in instr.shape else "hbm"
         op.moved_bytes, op.hbm_bytes = _transfer_bytes(instr, shapes), 0.0
         pending[instr.name] = op
       kind, carrier = _collective_kind(instr.opcode), instr
       if instr.opcode == "async-start":
-        inner = [i for _, c in _called(instr.attrs) for i in computations.get(c, [])]
+        inner = [i for _, c in called(instr.attrs) for i in computations.get(c, [])]
         carrier = next((i for i in inner if _collective_kind(i.opcode)), instr)
         kind = _collective_kind(carrier.opcode)
       elif instr.opcode == "fusion":
@@ -432,7 +252,7 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
             kind = "reduce-scatter"  # all-reduce then this device's slice: a reduce-scatter on the wire
       if kind:
         op.collective = kind
-        op.axes, op.group_size = _group_axes(carrier.attrs, mesh_axes, mesh_shape)
+        op.axes, op.group_size, op.assumed = _group_axes(carrier.attrs, mesh_axes, mesh_shape)
         op.moved_bytes = _moved_bytes(kind, carrier, shapes, op.group_size)
         op.hbm_bytes = 0.0  # a collective's time is its link time (below); its HBM traffic overlaps it
         if instr.opcode.endswith("-start"):
@@ -441,10 +261,13 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
           pending.update({ch: op for ch in channels})
       ops.append(op)
     ops[first:] = _permutes_as_transfers(ops[first:], computations[name])
+  for op in ops:
+    if op.assumed:
+      logging.warning("HLO cost reader: %s %s: %s", op.opcode, op.name, op.assumed)
   return ops
 
 
-def _permutes_as_transfers(ops: list[Op], body: list[_Instr]) -> list[Op]:
+def _permutes_as_transfers(ops: list[Op], body: list[Instr]) -> list[Op]:
   """A computation's ops with each synchronous collective-permute moved to where its input is ready and waited for
   just before its first user (a zero-cost `<name>.wait` op).
 
@@ -455,7 +278,7 @@ def _permutes_as_transfers(ops: list[Op], body: list[_Instr]) -> list[Op]:
   schedule's order; only the transfer is placed by its data dependencies.
   """
   by_name = {i.name: i for i in body}
-  users: dict[str, list[_Instr]] = defaultdict(list)
+  users: Computations = defaultdict(list)
   for instr in body:
     for operand in instr.operands:
       users[operand].append(instr)
@@ -504,22 +327,18 @@ def _permutes_as_transfers(ops: list[Op], body: list[_Instr]) -> list[Op]:
   return placed + [o for o in transfers.values() if id(o) not in seen]
 
 
-def _body(instr: _Instr, computations: dict[str, list[_Instr]]) -> list[_Instr]:
-  return computations.get(next((c for r, c in _called(instr.attrs) if r == "calls"), ""), [])
-
-
-def _carried(instr: _Instr, computations: dict[str, list[_Instr]]) -> tuple[list[_Instr], set[str]]:
+def _carried(instr: Instr, computations: Computations) -> tuple[list[Instr], set[str]]:
   """(the collectives inside a fusion, their channel ids)."""
   if instr.opcode != "fusion":
     return [], set()
-  carried = [i for i in _body(instr, computations) if _collective_kind(i.opcode)]
+  carried = [i for i in fused_body(instr, computations) if _collective_kind(i.opcode)]
   channels = {m.group(1) for i in carried if (m := re.search(r"channel_id=(\d+)", i.attrs))}
   return carried, channels
 
 
-def _in_flight(instr: _Instr, carried: list[_Instr], computations: dict[str, list[_Instr]]) -> bool:
+def _in_flight(instr: Instr, carried: list[Instr], computations: Computations) -> bool:
   """True for a fusion that only passes its collectives' results out (an async one continues past it)."""
-  body = _body(instr, computations)
+  body = fused_body(instr, computations)
   root = body[-1] if body else None
   if root is None or root.opcode != "tuple":
     return False
@@ -527,11 +346,11 @@ def _in_flight(instr: _Instr, carried: list[_Instr], computations: dict[str, lis
   return all(u is root for u in users)
 
 
-def _fused_async(instr: _Instr, computations: dict[str, list[_Instr]]) -> str:
+def _fused_async(instr: Instr, computations: Computations) -> str:
   """ "start" or "done" for the two ends of a TPU async collective fusion, else ""."""
   if instr.opcode != "fusion":
     return ""
-  for inner in _body(instr, computations):
+  for inner in fused_body(instr, computations):
     if inner.opcode == "custom-call":
       if 'custom_call_target="AsyncCollectiveStart"' in inner.attrs:
         return "start"
@@ -540,10 +359,10 @@ def _fused_async(instr: _Instr, computations: dict[str, list[_Instr]]) -> str:
   return ""
 
 
-def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dict[str, str]) -> float:
+def _hbm_bytes(instr: Instr, computations: Computations, shapes: dict[str, str]) -> float:
   """Bytes an op reads and writes in HBM: its operands and result, except that a slice of a big buffer reads only
   the slice and an in-place update (the scan's per-layer stacking) writes only the update."""
-  inner = _body(instr, computations)
+  inner = fused_body(instr, computations)
   if instr.opcode != "fusion" or not inner:
     if instr.opcode == "dynamic-slice":
       return 2.0 * array_bytes(instr.shape)
@@ -568,21 +387,22 @@ def _hbm_bytes(instr: _Instr, computations: dict[str, list[_Instr]], shapes: dic
   return total
 
 
-def _transfer_bytes(instr: _Instr, shapes: dict[str, str]) -> float:
+def _transfer_bytes(instr: Instr, shapes: dict[str, str]) -> float:
   """What an async copy moves. Its shape is (its operands, the result, a context scalar): the result is the copied
   buffer or the slice cut from a (host-offloaded) stack; an in-place update moves its update, not the stack."""
   if instr.opcode == "dynamic-update-slice-start":
     return float(array_bytes(shapes.get(instr.operands[1], ""))) if len(instr.operands) > 1 else 0.0
   operands = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
-  context = array_bytes(_ARRAY.findall(instr.shape)[-1][0] + "[]") if _ARRAY.search(instr.shape) else 0
+  found = arrays(instr.shape)
+  context = array_bytes(found[-1][0] + "[]") if found else 0
   return float(max(array_bytes(instr.shape) - operands - context, 0))
 
 
-def _params(body: list[_Instr]) -> dict[int, str]:
+def _params(body: list[Instr]) -> dict[int, str]:
   return {int(i.args): i.name for i in body if i.opcode == "parameter" and i.args.isdigit()}
 
 
-def _value_read(body: list[_Instr], value: str, full: int, computations: dict[str, list[_Instr]]) -> float:
+def _value_read(body: list[Instr], value: str, full: int, computations: Computations) -> float:
   """Bytes a fusion body reads of its value (a parameter): the slices it cuts (also through a pad or bitcast, as the
   windowed-einsum loops cut their windows, and inside nested fusions), nothing if it does not use it, only passes
   it through, updates it in place or hands it to a collective, else all of it."""
@@ -600,7 +420,7 @@ def _value_read(body: list[_Instr], value: str, full: int, computations: dict[st
       continue
     elif _collective_kind(use.opcode):
       continue
-    elif use.opcode == "fusion" and (nested := _body(use, computations)):
+    elif use.opcode == "fusion" and (nested := fused_body(use, computations)):
       inner_params = _params(nested)
       read += sum(
         _value_read(nested, inner_params[k], full, computations)
@@ -612,7 +432,7 @@ def _value_read(body: list[_Instr], value: str, full: int, computations: dict[st
   return read
 
 
-def _moved_bytes(kind: str, instr: _Instr, shapes: dict[str, str], n: int) -> float:
+def _moved_bytes(kind: str, instr: Instr, shapes: dict[str, str], n: int) -> float:
   """Bytes one device sends in a ring (bandwidth-optimal) implementation of the collective. A combined collective
   (several arrays in one op, a tuple) moves all of them."""
   operand = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
@@ -629,6 +449,11 @@ def _moved_bytes(kind: str, instr: _Instr, shapes: dict[str, str], n: int) -> fl
   if kind in ("reduce-scatter", "all-to-all"):
     return operand * share
   return float(operand)  # collective-permute: each device sends its buffer once
+
+
+def assumptions(ops: Sequence[Op]) -> list[str]:
+  """One line per op whose cost rests on an assumption (for reports)."""
+  return [f"{op.opcode} {op.name}: {op.assumed}" for op in ops if op.assumed]
 
 
 def summary(ops: Sequence[Op]) -> dict[str, float]:

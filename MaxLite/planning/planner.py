@@ -167,6 +167,9 @@ def explain(r: search.Result, target: topologies.Target) -> str:
       f"    {c['kind']:<18} over {'x'.join(c['axes']) or '?':<14} {c['bytes'] / 2**20:>9.1f} MiB x {c['runs']:g} "
       f"= {c['seconds'] * c['runs']:.4f} s"
     )
+  if r.assumed:  # the reader costed these on a conservative guess (the program's text did not say)
+    lines.append(f"  costed on an assumption ({len(r.assumed)}):")
+    lines += [f"    {line}" for line in r.assumed[:8]]
   return "\n".join(lines)
 
 

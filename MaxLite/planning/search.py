@@ -41,6 +41,7 @@ class Result:
   bottleneck: str = ""
   collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the largest, for --explain
   matmul_flops_ratio: float = 0.0  # the compiled step's matmul FLOPs over the model's (recomputation shows above 1)
+  assumed: list[str] = dataclasses.field(default_factory=list)  # what the HLO reader could not read and assumed
   error: str = ""
   compile_s: float = 0.0
   cached: bool = False
@@ -160,6 +161,7 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   out["prediction"] = dataclasses.asdict(prediction)
   out["matmul_flops_ratio"] = sum(o.flops * o.runs for o in ops) / model_flops
   out["bottleneck"] = prediction.bottleneck
+  out["assumed"] = hlo_costs.assumptions(ops)
   largest = sorted((o for o in ops if o.collective), key=lambda o: -net.seconds(o) * o.runs)[:8]
   out["collectives"] = [
     {"kind": o.collective, "axes": list(o.axes), "bytes": o.moved_bytes, "runs": o.runs, "seconds": net.seconds(o)}
@@ -249,6 +251,7 @@ def _result(plan: Candidate, payload: dict[str, Any], cached: bool = False) -> R
     bottleneck=payload.get("bottleneck") or "",
     collectives=payload.get("collectives") or [],
     matmul_flops_ratio=payload.get("matmul_flops_ratio") or 0.0,
+    assumed=payload.get("assumed") or [],
     error=payload.get("error") or "",
     compile_s=payload.get("compile_s") or 0.0,
     cached=cached,
