@@ -176,9 +176,9 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
   assert first.returncode == 0, first.stderr[-3000:]
   rows = _ranked_rows(first.stdout)
   assert rows, first.stdout
-  for plan, *_, memory, free in rows:
+  for plan, *_, free in rows:
     assert "tensor2" in plan and "| full |" in plan, plan  # the pinned keys
-    assert float(memory) <= hbm_gib * 1.05 and int(free) >= 0
+    assert int(free) >= 0  # headroom from the exact bytes (the GiB column rounds these tiny plans to 0.0)
   assert "compiled but did not fit" in first.stdout, first.stdout  # there were some, and none is in the table
   compiled = int(re.search(r"search: (\d+) plans evaluated \(0 from the cache\)", first.stdout).group(1))
 
@@ -231,34 +231,37 @@ def test_impossible_requests_are_one_line(args, message):
 
 
 @pytest.mark.slow
-def test_predicted_order_of_clearly_separated_plans_is_the_measured_order(tmp_path):
-  """Two plans for the same model on the 8 simulated devices, one predicted to give clearly fewer tokens/s (a batch
-  so small that the per-step weight and optimizer work dominates): the measured tokens/s agree."""
+def test_predicted_order_of_two_layouts_is_the_measured_order(tmp_path):
+  """Two plans for the same model, batch and remat policy on the 8 simulated devices, differing only in layout: the
+  weights sharded over all 8 (fsdp), or every projection split 8 ways (tensor: an all-reduce after each output
+  projection, the norms and residuals on every device). The model predicts tensor 8 slower (here 1.16x: more
+  memory-bound work and collectives, the same FLOPs), and it is (1.5x measured on this machine)."""
   from conftest import make_config
 
   from MaxLite.planning import search
   from MaxLite.training.trainer import train
 
   model = ["model_name=tiny", "base_emb_dim=256", "base_mlp_dim=1024", "vocab_size=1024", "max_target_length=256"]
+  model += ["base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=32"]
   run = [
     "steps=6",
+    "per_device_batch_size=2",
+    "remat_policy=none",
     "enable_tensorboard=false",
     "enable_checkpointing=false",
     f"base_output_directory={tmp_path}",
     "dataset_type=synthetic",
   ]
-  plans = {"fast": ["ici_fsdp_parallelism=8", "per_device_batch_size=8"]}
-  plans["slow"] = ["ici_fsdp_parallelism=1", "ici_sequence_parallelism=8", "per_device_batch_size=0.125"]
+  plans = {"fsdp": ["ici_fsdp_parallelism=8"], "tensor": ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=8"]}
   predicted, measured = {}, {}
   for name, keys in plans.items():
     config = make_config(*model, *run, *keys, f"run_name={name}", num_devices=8)
-    predicted[name] = search.evaluate(config.to_dict(), "cpu-8", 1)["prediction"]["tokens_per_s_per_chip"]
+    predicted[name] = search.evaluate(config.to_dict(), "cpu-8", 1)["prediction"]["step_s"]
     rows = train(config, first_devices(8))
-    step = float(np.median([r["step_time_s"] for r in rows[2:]]))  # after compile and warm-up
-    measured[name] = config.global_batch_size_to_train_on * config.max_target_length / 8 / step
+    measured[name] = float(np.median([r["step_time_s"] for r in rows[2:]]))  # after compile and warm-up
   print(f"predicted {predicted}, measured {measured}")
-  assert predicted["fast"] > 1.5 * predicted["slow"]  # clearly separated
-  assert measured["fast"] > measured["slow"]
+  assert predicted["tensor"] > 1.1 * predicted["fsdp"]
+  assert measured["tensor"] > measured["fsdp"]
 
 
 @pytest.mark.parametrize("opcode", ["all-gather", "all-gather-start"])
