@@ -3,9 +3,9 @@
 Per device-level instruction, in schedule order: matmul FLOPs (dots and convolutions, also inside fusions;
 Pallas kernels by the cost estimate they carry), HBM bytes (operands + result of each top-level fusion or op),
 and for collectives the bytes each device moves and the mesh axes the group spans. Every count is multiplied by
-how often its computation runs: while loops (the scanned layers, gradient accumulation) by their known trip
-count, so a 32-layer scan counts 32 layers, not one as XLA's cost_analysis() does. Reading the text itself is
-hlo_text.py's; where it had to assume something, the op says what (`Op.assumed`).
+how often its computation runs: while loops (the scanned layers, gradient accumulation) by their trip count (XLA's,
+or read from the loop's counter), so a 32-layer scan counts 32 layers, not one as XLA's cost_analysis() does.
+Reading the text itself is hlo_text.py's; where it had to assume something, the op says what (`Op.assumed`).
 """
 
 from __future__ import annotations
