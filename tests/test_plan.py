@@ -91,8 +91,8 @@ def test_empty_or_unreadable_replica_groups_are_never_free():
 
 
 def test_a_loop_whose_trip_count_cannot_be_read_counts_as_the_longest_loop_read():
-  """Two loops around the same matmul: one with XLA's known trip count (5), one bounded by a value the reader cannot
-  see. The unread one counts 5 trips, not 1, and the ops say so."""
+  """Loops around the same matmul: one with XLA's known trip count (5), one bounded by a value the reader cannot see,
+  one XLA knows never runs. The unread one counts 5 trips, not 1, and the ops say so; the empty one counts none."""
 
   def body(name: str) -> list[str]:
     return [
@@ -109,6 +109,7 @@ def test_a_loop_whose_trip_count_cannot_be_read_counts_as_the_longest_loop_read(
   text = "\n".join(
     body("known")
     + body("unknown")
+    + body("never")
     + [
       "%cond (c: (s32[], f32[8,8])) -> pred[] {",
       "  %c = (s32[], f32[8,8]{1,0}) parameter(0)",
@@ -120,7 +121,9 @@ def test_a_loop_whose_trip_count_cannot_be_read_counts_as_the_longest_loop_read(
       "  %p = (s32[], f32[8,8]{1,0}) parameter(0)",
       "  %w1 = (s32[], f32[8,8]{1,0}) while((s32[], f32[8,8]{1,0}) %p), condition=%cond, body=%known_body, "
       'backend_config={"known_trip_count":{"n":"5"}}',
-      "  ROOT %w2 = (s32[], f32[8,8]{1,0}) while((s32[], f32[8,8]{1,0}) %w1), condition=%cond, body=%unknown_body",
+      "  %w2 = (s32[], f32[8,8]{1,0}) while((s32[], f32[8,8]{1,0}) %w1), condition=%cond, body=%unknown_body",
+      "  ROOT %w0 = (s32[], f32[8,8]{1,0}) while((s32[], f32[8,8]{1,0}) %w2), condition=%cond, body=%never_body, "
+      'backend_config={"known_trip_count":{"n":"0"}}',
       "}",
     ]
   )

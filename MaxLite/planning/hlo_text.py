@@ -193,7 +193,8 @@ def run_counts(computations: Computations, entry: str) -> tuple[dict[str, float]
   scheduled = {entry}
   for name, instrs in computations.items():
     for instr in instrs:
-      count = (trips.get((name, instr.name)) or largest) if instr.opcode == "while" else 1
+      count = trips.get((name, instr.name)) if instr.opcode == "while" else 1
+      count = largest if count is None else count
       for role, child in called(instr.attrs):
         if child not in computations:
           continue
