@@ -2,6 +2,7 @@
 (pins kept, plans that do not fit never ranked, the cache), and one-line errors for impossible requests."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -775,3 +776,42 @@ def test_the_recomputation_the_planner_counts_is_at_most_what_the_compiled_step_
   counted = candidates.recomputed_flops(config)
   print(f"{policy}: recomputed as compiled {compiled - baseline:.4g}, counted {counted:.4g}")
   assert 0.45 * (compiled - baseline) <= counted <= compiled - baseline
+
+
+_TWO_SLICES = """
+import json
+from MaxLite.aot import compile_step
+from MaxLite.config import Config, choices, loader, validation
+from MaxLite.parallel import topologies
+from MaxLite.planning import hlo_costs, perf_model
+target = perf_model.planning_target("v5p-8")
+compile_step.prepare_backend(target)
+raw = loader.load_raw(["configs/base.yml", "model_name=tiny", "compile_topology=v5p-8", "compile_topology_num_slices=2",
+                       "per_device_batch_size=2", "max_target_length=256", "jax_cache_dir="])
+c = Config(validation.validate_and_derive(raw, num_devices=8, num_slices=2, process_count=1, platform="tpu"))
+text = compile_step.lower_train_step(c, compile_step.target_devices(target, 2))[0].compile().as_text()
+ops = hlo_costs.device_ops(text, choices.MESH_AXES, c.mesh_shape, c.dcn_mesh_shape)
+net = perf_model.Interconnect(target.chip, perf_model.torus(target), dict(zip(choices.MESH_AXES, c.ici_mesh_shape)),
+                              dict(zip(choices.MESH_AXES, c.dcn_mesh_shape)))
+across = [o for o in ops if o.across_slices]
+print(json.dumps({"ops": sorted({(o.collective, o.axes, o.group_size, net.kind(o), bool(o.done)) for o in across}),
+                  "moved": sum(o.moved_bytes for o in across), "params": c.num_params,
+                  "fsdp": c.ici_mesh_shape[choices.MESH_AXES.index("fsdp")], "assumed": hlo_costs.assumptions(ops)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
+def test_collectives_across_slices_are_read_from_the_megascale_transfers():
+  """libtpu compiles a multi-slice program per slice: the gradient all-reduce across the two slices is no all-reduce
+  in the HLO but sends to the megascale runtime. Read as asynchronous all-reduces over the data axis at the DCN rate,
+  they move every float32 gradient of the chip's fsdp shard (2 x 1/2 of it over 2 slices); before, they were free."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+    [sys.executable, "-c", _TWO_SLICES], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  found = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert found["ops"] == [["all-reduce", ["data"], 2, "dcn", True]] and found["assumed"] == []
+  gradients = found["params"] * 4 / found["fsdp"]
+  assert gradients <= found["moved"] <= 1.1 * gradients, found

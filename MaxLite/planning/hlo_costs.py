@@ -41,6 +41,10 @@ _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "col
 # Async copies between memory spaces; the DMA engines run them while the core computes, until their done.
 _TRANSFERS = ("copy-start", "slice-start", "dynamic-slice-start", "dynamic-update-slice-start")
 _HOST_MEMORY = "S(5)"  # TPU layouts' memory space of host memory
+# A multi-slice TPU program is compiled per slice: its collectives across slices are host transfers to the megascale
+# runtime (a send that starts it, a recv that brings the result), which runs them over the data-center network.
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter"}
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted separately).
 _FREE = {
   "parameter",
@@ -83,6 +87,7 @@ class Op:
   # the kernel's block sizes, which the HLO does not show (splash_kernel_flops)
   attention: tuple = ()
   assumed: str = ""  # what the reader had to assume for this op (the text did not say), "" if nothing
+  across_slices: bool = False  # a megascale transfer: over the data-center network whatever its axes
 
 
 def _matmul_flops(instr: Instr, shapes: dict[str, str]) -> float:
@@ -176,13 +181,43 @@ def _group_axes(attrs: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int])
   return varying, int(groups.shape[1]), ""
 
 
+def _across_slices(
+  instr: Instr,
+  transfer: str,
+  shapes: dict[str, str],
+  mesh_axes: Sequence[str],
+  dcn_shape: Sequence[int],
+  computation: str,
+  runs: float,
+) -> Op:
+  """A megascale transfer as the collective it is over the slices (the mesh axes that span slices)."""
+  op = Op(instr.name, instr.opcode, computation, runs, collective=_MEGASCALE_KINDS.get(transfer, "all-reduce"))
+  op.across_slices = True
+  slices = math.prod(dcn_shape) if dcn_shape else 0
+  if slices > 1:
+    op.axes, op.group_size = tuple(a for a, n in zip(mesh_axes, dcn_shape) if n > 1), slices
+  else:
+    op.group_size, op.assumed = 2, "a transfer across slices, the number of slices not given: costed as 2"
+  if transfer not in _MEGASCALE_KINDS:
+    op.assumed = f"megascale transfer {transfer}: costed as an all-reduce"
+  data = array_bytes(shapes.get(instr.operands[0], "")) if instr.operands else 0
+  share = (op.group_size - 1) / op.group_size
+  op.moved_bytes = {"all-reduce": 2 * data * share, "all-gather": data * (op.group_size - 1)}.get(
+    op.collective, data * share
+  )
+  return op
+
+
 def _collective_kind(opcode: str) -> str:
   base = opcode.removesuffix("-start")
   return base if base in _COLLECTIVES else ""
 
 
-def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -> list[Op]:
-  """The device-level instructions of the compiled step, in schedule order, with their costs."""
+def device_ops(
+  text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int], dcn_shape: Sequence[int] = ()
+) -> list[Op]:
+  """The device-level instructions of the compiled step, in schedule order, with their costs. `dcn_shape`: the mesh's
+  slices per axis (for the collectives a multi-slice program runs across slices)."""
   computations, shapes, entry = parse_computations(text)
   runs, scheduled, loops_assumed = run_counts(computations, entry)
   flops_in: dict[str, float] = {}
@@ -220,6 +255,12 @@ def device_ops(text: str, mesh_axes: Sequence[str], mesh_shape: Sequence[int]) -
         ops[-1].assumed = loops_assumed.get(instr.name, "")
         continue
       if instr.opcode in _FREE:
+        continue
+      megascale = _MEGASCALE.search(instr.attrs) if instr.opcode in ("send", "recv") else None
+      if megascale:  # the recv only brings the send's result back: one collective
+        if instr.opcode == "send":
+          ops.append(_across_slices(instr, megascale.group(1), shapes, mesh_axes, dcn_shape, name, runs[name]))
+          pending[instr.name] = ops[-1]
         continue
       op = Op(instr.name, instr.opcode, name, runs[name])
       op.hbm_bytes = _hbm_bytes(instr, computations, shapes)

@@ -135,7 +135,7 @@ class Interconnect:
     return "copy" if op.transfer else "dcn" if self.crosses_slices(op) else "ici"
 
   def crosses_slices(self, op: Op) -> bool:
-    return math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
+    return op.across_slices or math.prod(self.dcn_sizes.get(a, 1) for a in op.axes) > 1
 
 
 @dataclasses.dataclass

@@ -127,7 +127,7 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   out["fits"] = needed <= target.chip.hbm_bytes
   out["compile_s"] = time.perf_counter() - started
 
-  ops = hlo_costs.device_ops(compiled.as_text(), choices.MESH_AXES, c.mesh_shape)
+  ops = hlo_costs.device_ops(compiled.as_text(), choices.MESH_AXES, c.mesh_shape, c.dcn_mesh_shape)
   net = perf_model.Interconnect(
     target.chip,
     perf_model.torus(target),
