@@ -200,11 +200,8 @@ def _across_slices(
     op.group_size, op.assumed = 2, "a transfer across slices, the number of slices not given: costed as 2"
   if transfer not in _MEGASCALE_KINDS:
     op.assumed = f"megascale transfer {transfer}: costed as an all-reduce"
-  data = array_bytes(shapes.get(instr.operands[0], "")) if instr.operands else 0
-  share = (op.group_size - 1) / op.group_size
-  op.moved_bytes = {"all-reduce": 2 * data * share, "all-gather": data * (op.group_size - 1)}.get(
-    op.collective, data * share
-  )
+  data = array_bytes(shapes.get(instr.operands[0], "")) if instr.operands else 0  # the rest is a token
+  op.moved_bytes = _ring_bytes(op.collective, data, data * op.group_size, op.group_size)
   return op
 
 
@@ -477,13 +474,18 @@ def _moved_bytes(kind: str, instr: Instr, shapes: dict[str, str], n: int) -> flo
   """Bytes one device sends in a ring (bandwidth-optimal) implementation of the collective. A combined collective
   (several arrays in one op, a tuple) moves all of them."""
   operand = sum(array_bytes(shapes.get(o, "")) for o in instr.operands)
+  gathered = array_bytes(instr.shape)
+  if instr.opcode.endswith("-start"):  # an async start's result holds its operands as well as the gathered arrays
+    gathered -= operand
+  return _ring_bytes(kind, operand, gathered, n)
+
+
+def _ring_bytes(kind: str, operand: float, gathered: float, n: int) -> float:
+  """Bytes one device sends in a ring over n devices, from what it holds and (for an all-gather) what it gets."""
   if n <= 1:
     return 0.0
   share = (n - 1) / n
   if kind == "all-gather":
-    gathered = array_bytes(instr.shape)
-    if instr.opcode.endswith("-start"):  # an async start's result holds its operands as well as the gathered arrays
-      gathered -= operand
     return gathered * share
   if kind == "all-reduce":
     return 2.0 * operand * share

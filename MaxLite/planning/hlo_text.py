@@ -2,8 +2,8 @@
 (loop trip counts) and which devices each collective groups.
 
 Only what the cost reader (hlo_costs.py) needs, and nothing about costs. Where the text cannot be read (a loop
-without a readable bound, replica groups in a spelling not known here), the answer is a conservative stand-in that
-says so (`Assumed`), never a silent 1.
+without a readable bound, replica groups in a spelling not known here), the answer is a conservative stand-in
+reported with it (run_counts' assumptions; hlo_costs turns them into `Op.assumed`), never a silent 1.
 """
 
 from __future__ import annotations
