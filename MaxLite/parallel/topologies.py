@@ -25,24 +25,33 @@ class Chip:
   peak_bf16_tflops: float
   chip_config_name: str | None  # libtpu's name for the per-device layout
   hbm_gbytes_per_s: float  # HBM bandwidth
-  ici_gbits_per_s: float  # inter-chip interconnect: what one chip sends at once, every link one way
+  ici_link_gbytes_per_s: float  # one inter-chip link, one way, at the rate a collective's payload moves over it
   dcn_gbits_per_s: float  # data-center network share of one chip (between slices)
   pcie_gbytes_per_s: float = 15.0  # host memory <-> chip (host offload)
 
+  @property
+  def ici_send_bytes_per_s(self) -> float:
+    """What one chip sends over all its ICI links at once (two per torus dimension), bytes/s."""
+    return self.ici_link_gbytes_per_s * 1e9 * 2 * self.dims
+
 
 # Cloud TPU's published per-chip figures (cloud.google.com/tpu/docs: v4, v5e, v5p, v6e system architecture pages).
-# ICI: the published figure is the sum over the chip's links of one direction each: 2 x dims links of 100 GB/s
-# (v5p, v6e) or 50 GB/s (v5e, v4 45) one way ("How to Scale Your Model", Austin et al. 2025, TPU chapter's ICI table).
+# ICI per link, one way, at the rate payloads reach, not the nominal link rate (Cloud's 4800 / 1600 / 3584 Gbit/s per
+# v5p / v5e / v6e chip are 100 / 50 / 112 GB/s a link): measured where a measurement is published, v5p 86.3 and v6e
+# 86.8 GB/s (lax.ppermute of 1 KiB to 64 MiB per device between two chips of a v5p-8 / v6e-8, the large-payload slope
+# of time over bytes: marin-community/marin issue 6736, 2026-06-28); else the per-link table of "How to Scale Your
+# Model" (Austin et al. 2025, TPU chapter: 4.5e10 bytes/s one way for v4 and v5e; 9e10 for v5p and v6e, which the
+# measurements come within 4% of).
 # PCIe: about 15 GB/s per chip on v4/v5, 32 GB/s on v6e (the same book's TPU chapter).
 # DCN: about 25 GB/s per host (the same book), shared by the host's chips: 4 on v4 / v5p (2x2x1), 8 on v5e / v6e
 # (4x2): 50 and 25 Gbit/s per chip.
 # HBM of v5p and v5e: what libtpu's compiler lets one program use, from its RESOURCE_EXHAUSTED message here ("95.74G
 # hbm", "15.75G hbm"), not the nominal 95 / 16 GiB: a program between 15.75 and 16 GiB does not run on a v5e chip.
 CHIPS = {
-  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 2400.0, 50.0),
-  "v5p": Chip("v5p", 2, 3, int(95.74 * GiB), 459.0, "megacore", 2765.0, 4800.0, 50.0),
-  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 1600.0, 25.0),
-  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 3584.0, 25.0, 32.0),
+  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 45.0, 50.0),
+  "v5p": Chip("v5p", 2, 3, int(95.74 * GiB), 459.0, "megacore", 2765.0, 86.3, 50.0),
+  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 45.0, 25.0),
+  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 86.8, 25.0, 32.0),
 }
 
 

@@ -181,7 +181,7 @@ def optimistic_seconds(c: dict[str, Any], target: Target) -> float:
   mesh = dict(zip(choices.MESH_AXES, c["mesh_shape"]))
   per_device = (flops.training_flops_per_step(Config(c))["total"] + recomputed_flops(c)) / c["num_devices"]
   compute = per_device / (chip.peak_bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
-  send = chip.ici_gbits_per_s / 8 * 1e9
+  send = chip.ici_send_bytes_per_s
   weight = 2 if c["weight_dtype"] == "bfloat16" else 4
   shard = c["num_params"] / (c["num_devices"] / mesh["data"])
   fsdp = mesh["fsdp"] * mesh["sequence"]

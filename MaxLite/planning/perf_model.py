@@ -3,11 +3,11 @@
 Each op costs the larger of its matmul FLOPs at the rate XLA's matmuls reach (MATMUL_EFFICIENCY of the chip's bf16
 peak) and its HBM bytes at the chip's HBM bandwidth (a per-op roofline). A collective costs its latency plus the
 bytes one device sends over the links its group can use: a group inside a slice that spans k of the torus'
-dimensions runs a bidirectional ring in each, i.e. k / dims of what the chip sends over all its links at once (the
-published ICI figure); a collective-permute sends one buffer to one peer, over one link one way; a group that
-crosses slices runs at the chip's DCN share. An async copy between memory spaces (a prefetch into VMEM, an
-eviction, a layer's activations to or from host memory) runs on the DMA engines at the HBM bandwidth, or the PCIe
-bandwidth when host memory takes part. XLA schedules collectives asynchronously (start ... done): the
+dimensions runs a bidirectional ring in each, i.e. k / dims of what the chip sends over all its links at once (at
+the per-link rate payloads reach, topologies.py); a collective-permute sends one buffer to one peer, over one link
+one way; a group that crosses slices runs at the chip's DCN share. An async copy between memory spaces (a prefetch
+into VMEM, an eviction, a layer's activations to or from host memory) runs on the DMA engines at the HBM bandwidth,
+or the PCIe bandwidth when host memory takes part. XLA schedules collectives asynchronously (start ... done): the
 ops it placed between the two (a loop there with its whole body, every trip) hide the collective, and only the rest of
 its time is added to the step. So do async copies. Transfers over the same links (a ring's, per mesh axes; a
 permute's own link; one DMA path per memory kind) go one after another in the order they started.
@@ -33,7 +33,7 @@ HOP_LATENCY_S = 1e-6
 MATMUL_EFFICIENCY = 0.923
 # cpu-N (simulated devices sharing this machine's cores): nominal per-device numbers, so plans for the CPU mesh can
 # be ranked and their predicted order checked against measured steps. Not a claim about any CPU's speed.
-CPU_CHIP = Chip("cpu", 1, 1, 2 * 2**30, 0.05, None, 10.0, 80.0, 8.0)
+CPU_CHIP = Chip("cpu", 1, 1, 2 * 2**30, 0.05, None, 10.0, 5.0, 8.0)
 
 
 def planning_target(name: str, hbm_gib: float = -1) -> Target:
@@ -116,12 +116,11 @@ class Interconnect:
 
   def link_bandwidth(self) -> float:
     """Bytes/s over one link, one way (a torus has two links per dimension at each chip)."""
-    return self.chip.ici_gbits_per_s / 8 * 1e9 / (2 * self.chip.dims)
+    return self.chip.ici_link_gbytes_per_s * 1e9
 
   def send_bandwidth(self, group: int) -> float:
     """Bytes/s one chip sends in a collective over `group` chips of its slice."""
-    total_send = self.chip.ici_gbits_per_s / 8 * 1e9
-    return total_send * max(len(self.ring_dims(group)), 1) / self.chip.dims
+    return self.chip.ici_send_bytes_per_s * max(len(self.ring_dims(group)), 1) / self.chip.dims
 
   def links(self, op: Op) -> tuple:
     """The links a collective occupies: a ring's, shared with every other collective over the same mesh axes; a
