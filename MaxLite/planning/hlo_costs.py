@@ -194,12 +194,15 @@ def _across_slices(
   op = Op(instr.name, instr.opcode, computation, runs, collective=_MEGASCALE_KINDS.get(transfer, "all-reduce"))
   op.across_slices = True
   slices = math.prod(dcn_shape) if dcn_shape else 0
+  assumed = []
   if slices > 1:
     op.axes, op.group_size = tuple(a for a, n in zip(mesh_axes, dcn_shape) if n > 1), slices
   else:
-    op.group_size, op.assumed = 2, "a transfer across slices, the number of slices not given: costed as 2"
+    op.group_size = 2
+    assumed.append("a transfer across slices, the number of slices not given: costed as 2")
   if transfer not in _MEGASCALE_KINDS:
-    op.assumed = f"megascale transfer {transfer}: costed as an all-reduce"
+    assumed.append(f"megascale transfer {transfer}: costed as an all-reduce")
+  op.assumed = "; ".join(assumed)
   data = array_bytes(shapes.get(instr.operands[0], "")) if instr.operands else 0  # the rest is a token
   op.moved_bytes = _ring_bytes(op.collective, data, data * op.group_size, op.group_size)
   return op

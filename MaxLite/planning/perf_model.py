@@ -115,12 +115,13 @@ class Interconnect:
     return dims
 
   def link_bandwidth(self) -> float:
-    """Bytes/s over one link, one way (a torus has two links per dimension at each chip)."""
+    """Bytes/s over one link, one way."""
     return self.chip.ici_link_gbytes_per_s * 1e9
 
   def send_bandwidth(self, group: int) -> float:
-    """Bytes/s one chip sends in a collective over `group` chips of its slice."""
-    return self.chip.ici_send_bytes_per_s * max(len(self.ring_dims(group)), 1) / self.chip.dims
+    """Bytes/s one chip sends in a collective over `group` chips of its slice: a ring in each torus dimension the
+    group spans, over that dimension's two links."""
+    return 2 * self.link_bandwidth() * max(len(self.ring_dims(group)), 1)
 
   def links(self, op: Op) -> tuple:
     """The links a collective occupies: a ring's, shared with every other collective over the same mesh axes; a
