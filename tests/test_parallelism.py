@@ -234,7 +234,7 @@ def test_tiny_capacity_reports_dropped_tokens(tmp_path):
   assert all(0.2 < r["moe_dropped_fraction"] < 1.0 for r in rows), rows
   logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["moe_dropped_fraction"] for r in logged] == [r["moe_dropped_fraction"] for r in rows]
-  assert all(r["moe_lb_loss"] >= 1.0 - 1e-6 for r in logged)  # 1 is the balanced minimum
+  assert all(r["moe_lb_loss"] >= 1.0 - 1e-6 for r in logged)  # MaxText's scale: top_k (2 here) when balanced
 
 
 def test_moe_flops_count_only_active_experts():

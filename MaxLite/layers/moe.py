@@ -35,16 +35,16 @@ def expert_capacity(seq_len: int, num_experts: int, top_k: int, capacity_factor:
 
 
 def load_balance_loss(stats: dict) -> jax.Array:
-  """num_experts * sum_e f_e * P_e (Switch Transformer) from one layer's routing sums.
+  """MaxText's load-balancing loss (RoutedMoE.load_balance_loss) from routing sums, before its weight.
 
-  f_e = share of all top-k assignments that picked expert e, P_e = mean router probability of e over
-  real tokens. 1 when routing is perfectly balanced; it grows as some experts are favoured. Built
-  from sums so it is the same however the batch was split (shards, pipeline microbatches).
+  Per sequence b: density_be = top-k assignments to expert e per token (summing to top_k over e; assignments later
+  dropped for capacity count too), density_prob_be = mean router probability of e; the sequence's loss is
+  num_experts**2 * mean_e(density_be * density_prob_be), top_k when routing is balanced. MaxText averages it over
+  the batch's sequences; here each sequence is weighted by its real tokens (padding is not routed), the same on a
+  batch without padding, and a sum over sequences, so it adds up however the batch is split (data shards,
+  gradient accumulation's and the pipeline's microbatches).
   """
-  assigned, prob_sum = stats["assigned"], stats["prob_sum"]
-  share = assigned / jnp.maximum(jnp.sum(assigned, axis=-1, keepdims=True), 1.0)
-  mean_prob = prob_sum / jnp.maximum(stats["tokens"], 1.0)[..., None]
-  return assigned.shape[-1] * jnp.sum(share * mean_prob, axis=-1)
+  return stats["lb_sum"] / jnp.maximum(stats["tokens"], 1.0)
 
 
 def choose_experts(
@@ -58,12 +58,13 @@ def choose_experts(
   if normalize_top_k:  # Mixtral and Qwen3 (norm_topk_prob) renormalise the chosen k to sum to 1
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
-  stats = {
-    "assigned": jnp.sum(choice, axis=(0, 1, 2)),
-    "prob_sum": jnp.sum(probs * token_mask[..., None], axis=(0, 1)),
-    "tokens": jnp.sum(token_mask),
-    "routed": jnp.sum(choice),
-  }
+  assigned = jnp.sum(choice, axis=(1, 2))  # [b, e]
+  prob_sum = jnp.sum(probs * token_mask[..., None], axis=1)  # [b, e]
+  tokens = jnp.sum(token_mask, axis=1)  # [b]
+  # tokens_b * num_experts * sum_e density_be * density_prob_be, with both densities over tokens_b: see
+  # load_balance_loss. A sequence of padding only adds 0.
+  lb_sum = e * jnp.sum(assigned * prob_sum, axis=-1) / jnp.maximum(tokens, 1.0)
+  stats = {"lb_sum": jnp.sum(lb_sum), "tokens": jnp.sum(tokens), "routed": jnp.sum(choice)}
   return weights, experts, choice, stats
 
 
@@ -72,8 +73,8 @@ def route(
 ) -> tuple:
   """Top-k softmax routing -> (dispatch [b,s,e,c] 0/1, combine [b,s,e,c] weights, routing sums).
 
-  The routing sums (per expert: assignments and router probability over real tokens; tokens,
-  routed and dropped assignments) add up across shards and microbatches; see load_balance_loss.
+  The routing sums (the load-balancing loss weighted by real tokens, those tokens, routed and dropped
+  assignments) add up across shards and microbatches; see load_balance_loss.
 
   A token's k-th choice competes for slots after every token's (k-1)-th choice (earlier choices
   have priority), and within one rank earlier positions in the sequence win.

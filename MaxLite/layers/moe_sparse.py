@@ -48,6 +48,27 @@ def _sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array,
   return order, expert_ids[order], sizes
 
 
+def _drop_over_capacity(
+  order: jax.Array, sorted_expert: jax.Array, sizes: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Rows sorted by expert -> (order, sorted ids, group sizes, dropped rows) of the kept rows: each expert's first
+  `capacity` rows (earlier rows win), in the same order, then rows of no expert up to num_experts * capacity rows.
+
+  The dropped rows leave the groups and the buffer, so that they take no row of the grouped matmuls and no slot of
+  the expert-parallel send buffer, where they would crowd out kept rows (and, not sent, be counted again)."""
+  n, num_experts = order.shape[0], sizes.shape[0]
+  starts = jnp.cumsum(sizes) - sizes
+  rank = jnp.arange(n) - starts[jnp.minimum(sorted_expert, num_experts - 1)]
+  over = (rank >= capacity) & (sorted_expert < num_experts)
+  # A stable partition by one scatter (not a second sort): kept rows close up, dropped ones go last.
+  over_before = jnp.cumsum(over) - over
+  to = jnp.where(over, n - jnp.sum(over) + over_before, jnp.arange(n) - over_before)
+  ids = jnp.zeros_like(sorted_expert).at[to].set(jnp.where(over, num_experts, sorted_expert))
+  order = jnp.zeros_like(order).at[to].set(order)
+  rows = min(n, num_experts * capacity)  # every kept row is in these
+  return order[:rows], ids[:rows], jnp.minimum(sizes, capacity), jnp.sum(over).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmul:
   """How the grouped matmuls run: jax.lax.ragged_dot, or (megablox) jax's Pallas TPU kernel, interpreted off TPU."""
@@ -107,14 +128,13 @@ def _on_expert_shards(
   expert_axes: tuple[str, ...],
   tensor_axes: tuple[str, ...],
   peers: int,
-  buffer_factor: float,
+  slots: int,
   matmul: GroupedMatmul,
 ) -> tuple[jax.Array, jax.Array]:
   """Expert parallelism: rows sorted by global expert go to the shard that holds their expert (all_to_all into
   a buffer of `slots` rows per peer), through its experts, and back. (out rows, rows that did not fit)."""
   n, d = rows.shape
   local_experts = weights[0].shape[0]
-  slots = n if buffer_factor <= 0 else max(1, math.ceil(n * buffer_factor / peers))  # n: no row can be left out
   dest = sorted_expert // local_experts  # == peers for rows of no expert
   per_peer = sizes.reshape(peers, local_experts).sum(axis=1)
   slot = jnp.arange(n) - (jnp.cumsum(per_peer) - per_peer)[jnp.minimum(dest, peers - 1)]
@@ -160,19 +180,20 @@ def _experts_on_shard(
   tokens = b * s
   real = jnp.repeat(token_mask.reshape(tokens) > 0, k)
   order, sorted_expert, sizes = _sort_by_expert(jnp.where(real, experts.reshape(tokens * k), num_experts), num_experts)
-  pair_weight = jnp.where(real, weights.reshape(tokens * k), 0.0)[order]
   dropped = jnp.zeros((), jnp.float32)
   capacity = shard_capacity(tokens, num_experts, k, capacity_factor)
   if capacity is not None:
-    starts = jnp.cumsum(sizes) - sizes
-    rank = jnp.arange(tokens * k) - starts[jnp.minimum(sorted_expert, num_experts - 1)]
-    kept = rank < capacity
-    dropped = jnp.sum(~kept & (sorted_expert < num_experts)).astype(jnp.float32)
-    pair_weight = jnp.where(kept, pair_weight, 0.0)
+    order, sorted_expert, sizes, dropped = _drop_over_capacity(order, sorted_expert, sizes, capacity)
+  # Padding and dropped rows are in no group: the grouped matmuls give them zeros, and so does their weight.
+  pair_weight = jnp.where(sorted_expert < num_experts, weights.reshape(tokens * k)[order], 0.0)
   rows = x.reshape(tokens, d)[order // k]
   if expert_axes:
+    # A peer takes at most all the rows, and with a capacity at most `capacity` of each of its experts: more
+    # slots would only ever be empty. ragged_buffer_factor scales the even share of all top-k assignments.
+    slots = rows.shape[0] if buffer_factor <= 0 else max(1, math.ceil(tokens * k * buffer_factor / peers))
+    slots = min(slots, rows.shape[0], wi_0.shape[0] * (capacity or rows.shape[0]))
     out, lost = _on_expert_shards(
-      rows, sorted_expert, sizes, (wi_0, wi_1, wo), expert_axes, tensor_axes, peers, buffer_factor, matmul
+      rows, sorted_expert, sizes, (wi_0, wi_1, wo), expert_axes, tensor_axes, peers, slots, matmul
     )
     dropped = dropped + lost
   else:
