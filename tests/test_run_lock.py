@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, make_config
+from conftest import REPO, first_devices, make_config
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.training import run_lock
@@ -255,3 +255,69 @@ def test_every_process_of_a_job_stops_when_process_0_is_refused_the_lock(bucket,
   assert re.search(r"error: run directory \S+/runs/busy is in use by pid 1 on host elsewhere", output), output
   assert "process 0 could not take its lock" in output, output
   assert "Traceback" not in output, output
+
+
+def _silent_bucket(*args, **kwargs):
+  raise ConnectionResetError("injected: the bucket does not answer")
+
+
+def test_gs_lock_is_lost_once_its_heartbeat_has_failed_for_the_stale_time(bucket, monkeypatch):
+  """Within the stale time a failed beat or read is tolerated: nobody may take over a lock whose heartbeat is that
+  fresh. After it another run may have taken the lock, so this run must count it as lost, bucket or no bucket."""
+  from MaxLite import storage
+
+  server, url = bucket
+  monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+  monkeypatch.setattr(run_lock, "STALE_AFTER_S", 1.5)
+  lock = run_lock.acquire(make_config(*TINY, f"base_output_directory={url}/silent"))
+  try:
+    monkeypatch.setattr(storage, "replace_generation", _silent_bucket)
+    monkeypatch.setattr(storage, "read_generation", _silent_bucket)
+    time.sleep(0.2)
+    assert lock.lost() is None  # failed beats and a failed read, well inside the stale time
+    time.sleep(run_lock.STALE_AFTER_S)
+    reason = lock.lost()
+    assert re.search(r"silent/r/run.lock had no successful heartbeat for \d+s .*ConnectionResetError", reason or "")
+  finally:
+    monkeypatch.undo()
+    lock.release()
+  assert server.objects("locks", "silent/") == []
+
+
+def test_metrics_are_not_written_once_the_lock_is_lost(bucket, monkeypatch):
+  """Rows waiting for their upload to the bucket are dropped too: the run that took the lock over may have rewritten
+  metrics.jsonl since, and an upload would replace its rows with this run's."""
+  from MaxLite import storage
+  from MaxLite.training.metrics import StepLog
+
+  server, url = bucket
+  monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+  monkeypatch.setattr(run_lock, "STALE_AFTER_S", 0.5)
+  config = make_config(*TINY, f"base_output_directory={url}/rows", "log_period=1")
+  metrics = {"loss": 2.0, "learning_rate": 1e-3, "grad_norm": 1.0}
+  with pytest.raises(run_lock.LockLostError, match=r"no successful heartbeat .*; stopping before writing the metrics"):
+    with run_lock.hold(config) as guard, StepLog(config, guard) as log:
+      for step in (1, 2, 3):
+        log.record(step, metrics)  # rows 1 and 2 wait in memory for their upload
+      monkeypatch.setattr(storage, "replace_generation", _silent_bucket)
+      time.sleep(run_lock.STALE_AFTER_S + 0.1)
+      log.record(4, metrics)
+  assert [r["step"] for r in log.rows] == [1, 2]
+  assert server.objects("locks", "rows/") == []  # neither the rows nor the lock
+
+
+def test_a_run_without_checkpoints_checks_its_lock_before_writing_metrics(bucket, monkeypatch):
+  """With enable_checkpointing=false there is no save to check the lock before: the metrics rows are checked."""
+  from MaxLite import storage
+  from MaxLite.training.trainer import train
+
+  server, url = bucket
+  monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+  monkeypatch.setattr(run_lock, "STALE_AFTER_S", 0.5)
+  config = make_config(*TINY, f"base_output_directory={url}/runs", "run_name=nockpt", "enable_checkpointing=false")
+  with pytest.raises(run_lock.LockLostError, match=r"stopping before writing the metrics of step 1\b"):
+    with run_lock.hold(config) as guard:
+      monkeypatch.setattr(storage, "replace_generation", _silent_bucket)
+      time.sleep(run_lock.STALE_AFTER_S)
+      train(config, first_devices(1), guard=guard)
+  assert server.objects("locks", "runs/nockpt/") == []

@@ -46,8 +46,9 @@ class _ObjectLines:
       storage.write_text(self._path, self._text)
       self._dirty, self._written = False, time.monotonic()
 
-  def close(self) -> None:
-    self.flush()
+  def close(self, store: bool = True) -> None:
+    if store:
+      self.flush()
 
 
 class MetricsWriter:
@@ -85,8 +86,11 @@ class MetricsWriter:
     if self._jsonl is not None:
       self._jsonl.flush()
 
-  def close(self) -> None:
-    if self._jsonl is not None:
+  def close(self, store: bool = True) -> None:
+    """With `store` false, rows a bucket has not received yet are dropped (a local file has every row already)."""
+    if isinstance(self._jsonl, _ObjectLines):
+      self._jsonl.close(store)
+    elif self._jsonl is not None:
       self._jsonl.close()
     if self._tensorboard is not None:
       self._tensorboard.close()
@@ -143,10 +147,13 @@ def metrics_row(
 
 class StepLog:
   """The run's metrics rows. A step's metrics are read when the next step has been queued (`record`), so the host
-  never waits for the step it just dispatched; `flush` reads the last one now (before a save or an eval)."""
+  never waits for the step it just dispatched; `flush` reads the last one now (before a save or an eval).
 
-  def __init__(self, config: Config):
-    self._config = config
+  `guard` (run_lock.hold's) is asked before each row is written whether the run still owns its directory: a run
+  that lost it stops there, on every process, and leaves the new owner's metrics.jsonl as it is."""
+
+  def __init__(self, config: Config, guard: Any = None):
+    self._config, self._guard = config, guard
     self._writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
     self._tflops_per_step = flops.tflops_per_device_per_step(config)
     self.rows: list[dict[str, Any]] = []
@@ -166,16 +173,22 @@ class StepLog:
     row = metrics_row(self._config, step, values, now - self._clock, self._tflops_per_step)
     self._clock = now
     if step % self._config.log_period == 0 or step == self._config.steps:
+      self._before_write(step)
       logging.info(log_line(row))
       self._writer.write(row)
     self.rows.append(row)
 
   def record_eval(self, step: int, metrics: dict[str, float]) -> None:
+    self._before_write(step)
     logging.info(" | ".join([f"step {step:>6d}"] + [f"{k} {v:.4f}" for k, v in metrics.items()]))
     row = {"step": step, **metrics}
     self._writer.write(row)
     self.rows.append(row)
     self._clock = time.perf_counter()  # the eval's time is not the next step's
+
+  def _before_write(self, step: int) -> None:
+    if self._guard is not None:
+      self._guard.before_metrics(step)
 
   def store(self) -> None:
     """Every row written so far is on disk (with each checkpoint, so a resume finds the saved step's rows)."""
@@ -185,4 +198,4 @@ class StepLog:
     return self
 
   def __exit__(self, *exc: object) -> None:
-    self._writer.close()
+    self._writer.close(store=self._guard is None or self._guard.lost is None)

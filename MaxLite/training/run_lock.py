@@ -17,7 +17,11 @@ once one wins) and its owner rewrites its `heartbeat` time every HEARTBEAT_S sec
 the object's generation from the owner's last write, so it never overwrites a new owner. A lock is stale, and
 is replaced with a warning, when its owner ran on this host and that pid is gone, or when its heartbeat is older
 than STALE_AFTER_S: a run killed on another host keeps its directory locked that long (delete the lock object
-to start sooner). A run that finds its lock taken over stops before its next save, on every process.
+to start sooner). So the owner itself counts its lock as lost once its last successful heartbeat is older than
+STALE_AFTER_S less one beat (the margin covers clock skew between hosts): a bucket that stops answering stops the
+run before another run may take its directory. A run that finds its lock taken over or lost stops before it writes
+again: every process together before its next save, and process 0 (the one that writes them) before its next metrics
+row, with checkpointing off too.
 """
 
 from __future__ import annotations
@@ -146,8 +150,10 @@ class _LocalLock:
         return fd
       os.close(fd)
 
-  def lost(self) -> str | None:
-    """Why this run no longer holds its lock (its file was deleted or replaced), or None while it does."""
+  def lost(self, ask_store: bool = True) -> str | None:
+    """Why this run no longer holds its lock (its file was deleted or replaced), or None while it does. A stat is
+    cheap, so `ask_store` (the object lock's choice: a request, or what its heartbeat learned) changes nothing."""
+    del ask_store
     try:
       if os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
         return None
@@ -170,6 +176,9 @@ class _ObjectLock:
 
   def __init__(self, config: Config):
     self.path = lock_path(config)
+    # When the heartbeat the bucket holds was stamped (monotonic, read before the stamp, so never later than the time
+    # other runs judge), and why the beats since then failed.
+    self._beaten, self._failure = time.monotonic(), ""
     self._record = _record()
     self._mutex = threading.Lock()  # the heartbeat thread and lost() both read and write _generation/_lost
     self._lost: str | None = None
@@ -226,31 +235,59 @@ class _ObjectLock:
 
   def _lose(self, by: str) -> None:
     self._lost = f"this run's lock {self.path} was taken over by {by}"
-    logging.error("%s; this run stops before its next save", self._lost)
+    logging.error("%s; this run stops before it writes again", self._lost)
 
   def _beat(self) -> None:
     while not self._stop.wait(HEARTBEAT_S):
       with self._mutex:
         if self._lost is not None:
           return
+        stamped = time.monotonic()
+        self._record["heartbeat"] = time.time()
         try:
-          self._record["heartbeat"] = time.time()
           generation = storage.replace_generation(self.path, json.dumps(self._record), self._generation)
-          if generation is None:  # someone wrote (or deleted) the lock since our last write
-            self._lose(self._taken_by() or "another writer")
-            return
-          self._generation = generation
-        except Exception as e:  # a network hiccup: the next beat tries again, well inside STALE_AFTER_S
-          logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, first_line(e, with_type=True))
+        except Exception as e:  # a network hiccup: the next beat tries again; _silence() bounds how long
+          self._failure = first_line(e, with_type=True)
+          logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, self._failure)
+          continue
+        if generation is None:  # someone wrote (or deleted) the lock since our last write: it is not ours
+          try:
+            by = self._taken_by()
+          except Exception:  # only the new owner's name is missing
+            by = None
+          self._lose(by or "another writer")
+          return
+        self._generation, self._beaten, self._failure = generation, stamped, ""
 
-  def lost(self) -> str | None:
-    """Why this run no longer holds its lock, or None while it does (asks the bucket)."""
+  def _silence(self) -> str | None:
+    """Why the lock counts as lost for want of a heartbeat, or None. Another run takes it over once the heartbeat
+    it finds is STALE_AFTER_S old by that run's clock; one beat of margin covers skew between the two clocks."""
+    age = time.monotonic() - self._beaten
+    if age <= STALE_AFTER_S - HEARTBEAT_S:
+      return None
+    return (
+      f"this run's lock {self.path} had no successful heartbeat for {age:.0f}s "
+      f"({self._failure or 'the last request to the bucket has not returned'}); "
+      f"another run may take over a lock with no heartbeat for {STALE_AFTER_S:.0f}s"
+    )
+
+  def lost(self, ask_store: bool = True) -> str | None:
+    """Why this run no longer holds its lock, or None while it does. Without `ask_store` it only looks at what the
+    heartbeat learned (no request: cheap enough for every metrics row); with it, it also reads the lock object.
+
+    A read that fails is tolerated: while the last heartbeat is fresh no other run may take the lock, and once it
+    is not, _silence() counts the lock as lost whatever the bucket answers."""
+    silent = self._silence() if self._lost is None else None
+    if silent is not None:  # never replace a takeover the heartbeat thread found meanwhile with None
+      self._lost = silent
+    if self._lost is not None or not ask_store:
+      return self._lost
     with self._mutex:
       if self._lost is None:
         try:
           by = self._taken_by()
-        except Exception as e:  # the bucket did not answer: the heartbeat's conditional writes still guard it
-          logging.warning("%s: could not read the lock before saving (%s)", self.path, first_line(e, with_type=True))
+        except Exception as e:
+          logging.warning("%s: could not read the lock (%s)", self.path, first_line(e, with_type=True))
           by = None
         if by is not None:
           self._lose(by)
@@ -283,19 +320,31 @@ class LockLostError(MaxLiteError):
 
 
 class Guard:
-  """What every process of a job knows about process 0's lock; `before_save` is called on all of them."""
+  """What the processes of a job know about process 0's lock. `before_save` is a collective (a one-number
+  all-gather on a job of several processes), called by every process at each save, so all stop together or none
+  does. `before_metrics` is process 0's alone: it alone writes metrics, and a collective there would make every
+  host wait for the step in flight at every row."""
 
   def __init__(self, lock: _LocalLock | _ObjectLock | None):
     self._lock = lock  # process 0's; None elsewhere
+    self.lost: str | None = None  # set once the run stopped for it: nothing may be written after
 
   def before_save(self, step: int) -> None:
-    """Raises LockLostError on every process when process 0 no longer holds the run's lock."""
+    """Raises LockLostError on every process when process 0 no longer holds the run's lock (asks the store)."""
     reason = self._lock.lost() if self._lock is not None else None
     if agreement.everyones(int(reason is not None))[0]:
-      raise LockLostError(
-        f"{reason or 'process 0 lost the run directory lock (its log names the new owner)'}; "
-        f"stopping without saving step {step}, so the new owner's checkpoints stay as they are"
-      )
+      self._stop(reason or "process 0 lost the run directory lock (its log says why)", f"without saving step {step}")
+
+  def before_metrics(self, step: int) -> None:
+    """Raises LockLostError on process 0 when its lock is known lost. No storage request (a takeover is seen by the
+    heartbeat within HEARTBEAT_S), no collective: process 0's exit ends the job as any process's failure does."""
+    reason = self._lock.lost(ask_store=False) if self._lock is not None else None
+    if reason is not None:
+      self._stop(reason, f"before writing the metrics of step {step}")
+
+  def _stop(self, reason: str, stopping: str) -> None:
+    self.lost = reason
+    raise LockLostError(f"{reason}; stopping {stopping}, so the new owner's files stay as they are")
 
 
 @contextlib.contextmanager
