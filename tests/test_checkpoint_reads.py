@@ -1,5 +1,7 @@
 """Checkpoint reads: storage errors that pass are retried and never taken for a corrupt step."""
 
+import errno
+
 import pytest
 
 from MaxLite.checkpoint import reads
@@ -12,6 +14,15 @@ class _HttpError(Exception):
   def __init__(self, code):
     super().__init__(f"{code}: backend says no")
     self.code = code
+
+
+class _Unlisted(Exception):
+  """A type nobody classified: a storage client's own, or one a new library version brings."""
+
+
+def _raised_from(error, cause):
+  error.__cause__ = cause
+  return error
 
 
 def _failing(errors):
@@ -61,16 +72,53 @@ def test_storage_that_keeps_failing_stops_the_run_instead_of_falling_back():
   assert len(calls) == reads.ATTEMPTS
 
 
-def test_denied_access_is_not_corruption_and_is_not_retried():
-  fn, calls = _failing([PermissionError("403 Forbidden")])
+@pytest.mark.parametrize(
+  "error",
+  [PermissionError("403 Forbidden"), _HttpError(403), ValueError('PERMISSION_DENIED: Error reading "a" from GCS')],
+)
+def test_denied_access_is_not_corruption_and_is_not_retried(error):
+  fn, calls = _failing([error])
   with pytest.raises(CheckpointReadError):
     reads.read("gs://b/c/6", fn, sleep=lambda s: None)
   assert len(calls) == 1
 
 
+# Errors that say nothing about the step's files: a failing disk or network, a type nobody listed, tensorstore's
+# UNKNOWN status, a ValueError some library raised from an I/O error.
+UNKNOWN_KIND = [
+  OSError(errno.EIO, "Input/output error"),
+  _Unlisted("the storage client gave up"),
+  ValueError('UNKNOWN: Error reading local file "/r/checkpoints/6/state/d/1f": [os_error_code=5]'),
+  _raised_from(ValueError("could not read the array"), OSError(errno.EIO, "Input/output error")),
+]
+
+
+@pytest.mark.parametrize("error", UNKNOWN_KIND)
+def test_an_error_of_unknown_kind_is_retried_not_taken_for_corruption(error):
+  fn, calls = _failing([error, error])
+  slept = []
+  assert reads.read("gs://b/c/6", fn, sleep=slept.append) == "state"
+  assert len(calls) == 3 and slept == [0.5, 1.0]
+
+
+@pytest.mark.parametrize("error", UNKNOWN_KIND)
+def test_an_error_of_unknown_kind_that_outlasts_the_retries_stops_the_run(error):
+  fn, calls = _failing([error] * 10)
+  with pytest.raises(CheckpointReadError, match=r"gs://b/c/6 could not be read after 5 attempt\(s\) .*not falling"):
+    reads.read("gs://b/c/6", fn, sleep=lambda s: None)
+  assert len(calls) == reads.ATTEMPTS
+
+
 @pytest.mark.parametrize(
   "error",
-  [FileNotFoundError("no _METADATA"), ValueError("Expecting value: line 1 column 1"), _HttpError(404), KeyError("x")],
+  [
+    FileNotFoundError("no _METADATA"),
+    ValueError("Expecting value: line 1 column 1"),
+    _HttpError(404),
+    KeyError("x"),
+    ValueError('DATA_LOSS: Error reading "params.w/0": checksum mismatch'),
+    _raised_from(RuntimeError("restore failed"), FileNotFoundError("no _METADATA")),
+  ],
 )
 def test_a_definite_error_is_unreadable_at_once(error):
   fn, calls = _failing([error])

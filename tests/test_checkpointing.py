@@ -354,3 +354,54 @@ def test_checkpoint_info_lists_steps_shapes_and_bytes(saved_run):
   assert "model_name=tiny" in text and "data iterator: process_0-of-1.json" in text
   with pytest.raises(CheckpointError, match=r"step 7 is not in .*; complete steps: 1, 2"):
     describe(str(saved_run), step=7)
+
+
+@pytest.fixture
+def asyncio_log():
+  """The asyncio logger as it was before the test (a failed save may leave its filter there)."""
+  logger = logging.getLogger("asyncio")
+  level, filters = logger.level, list(logger.filters)
+  yield logger
+  logger.setLevel(level)
+  logger.filters[:] = filters
+
+
+def _never_retrieved(error):
+  """Logs asyncio's 'Future exception was never retrieved' for `error`, as when orbax's write tasks are collected."""
+  import asyncio
+
+  loop = asyncio.new_event_loop()
+  future = loop.create_future()
+  future.set_exception(error)
+  loop.close()
+  del future  # collected now: asyncio logs the exception nobody retrieved
+
+
+def test_a_failed_save_quiets_its_own_write_tasks_not_the_asyncio_log(tmp_path, caplog, asyncio_log):
+  """Orbax's other write tasks of a failed save fail the same way, and asyncio would log each one's traceback after
+  the one line the save's error becomes; those stay quiet, but asyncio's log of any other error still comes out."""
+  import resource
+
+  from MaxLite.checkpoint.manager import Saves, create_manager
+  from MaxLite.data.synthetic import SyntheticIterator
+
+  config = make_config(*BASE, "enable_checkpointing=true", f"base_output_directory={tmp_path}", "run_name=r")
+  saves = Saves(create_manager(config))
+  state = {"w": jax.numpy.asarray(np.random.default_rng(0).standard_normal((512, 1024), np.float32))}  # 2 MiB
+  batches = SyntheticIterator(global_batch=1, rows=[0], seq_len=8, vocab_size=config.vocab_size, seed=0)
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # files of 1 MiB at most: the state cannot be written
+  try:
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step 1 to \S+/checkpoints/1 failed \(ValueError"):
+      saves.save(1, state, batches, config)
+      saves.wait()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    saves.close(raise_errors=False)
+  sibling = f'OUT_OF_RANGE: Error writing "w/1.0" in OCDBT database at local file "{tmp_path}/r/checkpoints/1.orbax-'
+  caplog.clear()
+  _never_retrieved(ValueError(sibling + 'checkpoint-tmp/state/ocdbt.process_0/": File too large'))
+  _never_retrieved(ValueError("unrelated: a bug elsewhere"))
+  _never_retrieved(KeyError(f"{tmp_path}/r/checkpoints/1/other"))  # another type: not the save's failure
+  logged = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+  assert len(logged) == 2 and "a bug elsewhere" in logged[0] and "checkpoints/1/other" in logged[1], logged

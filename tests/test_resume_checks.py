@@ -1,11 +1,12 @@
 """A run resumes from its own checkpoint only with the data stream and model it was saved with."""
 
 import json
+import logging
 
 import pytest
 from conftest import make_config, run_train_cli
 
-from MaxLite.checkpoint.resume_checks import resume_differences
+from MaxLite.checkpoint.resume_checks import check_resume, resume_differences
 
 TINY = ("model_name=tiny", "max_target_length=64", "eval_interval=-1", "enable_tensorboard=false", "log_period=1")
 
@@ -66,3 +67,14 @@ def test_a_changed_data_stream_stops_the_resume_with_one_line_and_steps_may_grow
   grown = _train(tmp_path, "steps=4")
   assert grown.returncode == 0, grown.stderr[-3000:]
   assert "resumed from checkpoint at step 2" in grown.stderr
+
+
+def test_a_step_without_its_saved_config_is_resumed_with_a_warning_naming_what_is_not_checked(tmp_path, caplog):
+  step_dir = tmp_path / "checkpoints" / "6"
+  step_dir.mkdir(parents=True)
+  with caplog.at_level(logging.WARNING):
+    check_resume(str(step_dir), make_config(*TINY))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1, warnings
+  assert f"checkpoint {step_dir} has no saved config ({step_dir}/config/config.json)" in warnings[0]
+  assert "data_shuffle_seed" in warnings[0] and "not checked" in warnings[0]

@@ -3,6 +3,10 @@ timeout, HTTP 429 or 5xx) is retried with backoff and never taken for corruption
 or unparsable file, a step without its commit marker) lets a resume fall back to an earlier step. On a pod a
 network blip seen by one host must not send that host back a step while the others go on.
 
+Definite errors are named one by one; an error of any other kind (an I/O error, tensorstore's UNKNOWN, a type
+nobody listed) says nothing about the step's files, so it is retried like a transient one and, if it persists,
+stops the run instead of costing it the steps since an earlier checkpoint.
+
 `MAXLITE_TEST_CHECKPOINT_READ_FAULT=<process>:<step>:<transient|corrupt>:<times>` makes reads of that step fail
 on that process the first `times` times (-1: always). It is a hook for tests, which cannot cut one process's
 network, exposed on purpose; nothing sets it in a run.
@@ -34,6 +38,29 @@ _TRANSIENT_TEXT = re.compile(
   r"|\b(timed out|connection (reset|refused|aborted)|temporarily unavailable|service unavailable)\b",
   re.IGNORECASE,
 )
+
+
+# tensorstore's status names (gRPC's codes), as they head its messages: those that say the data itself is bad or
+# absent, those that say access was refused, and the rest, which say nothing about the step's files.
+_STATUS = re.compile(r"\b(?:[A-Z]+_)*[A-Z]+(?=: )")
+_BAD_DATA_STATUS = frozenset({"NOT_FOUND", "DATA_LOSS", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
+_DENIED_STATUS = frozenset({"PERMISSION_DENIED", "UNAUTHENTICATED"})
+_OTHER_STATUS = frozenset(
+  {
+    "CANCELLED",
+    "UNKNOWN",
+    "DEADLINE_EXCEEDED",
+    "ALREADY_EXISTS",
+    "RESOURCE_EXHAUSTED",
+    "ABORTED",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+  }
+)
+# A path that is not there (or not of its kind) and data that does not parse (json's and UnicodeDecodeError are
+# ValueErrors, as are orbax's complaints about a step's metadata; KeyError: a record without a field it must have).
+_DEFINITE_TYPES = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, KeyError)
 
 
 class UnreadableCheckpointError(CheckpointError):
@@ -69,8 +96,35 @@ def is_transient(error: BaseException) -> bool:
   return False
 
 
-def _not_the_steps_fault(error: BaseException) -> bool:
-  return is_transient(error) or any(isinstance(e, PermissionError) for e in _chain(error))
+def _statuses(error: BaseException) -> set[str]:
+  return set(_STATUS.findall(str(error))) & (_BAD_DATA_STATUS | _DENIED_STATUS | _OTHER_STATUS)
+
+
+def _denied(error: BaseException) -> bool:
+  code = getattr(error, "code", None)
+  return isinstance(error, PermissionError) or code in (401, 403) or bool(_statuses(error) & _DENIED_STATUS)
+
+
+def _says_nothing_about_the_files(error: BaseException) -> bool:
+  """An I/O error other than a missing path, an HTTP status other than 404/410, a status outside _BAD_DATA_STATUS:
+  whatever else the chain holds, the files may be fine."""
+  if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+    return True
+  code = getattr(error, "code", None)
+  return (isinstance(code, int) and code not in (404, 410)) or bool(_statuses(error) - _BAD_DATA_STATUS)
+
+
+def _definite(error: BaseException) -> bool:
+  return isinstance(error, _DEFINITE_TYPES) or getattr(error, "code", None) in (404, 410)
+
+
+def is_unreadable(error: BaseException) -> bool:
+  """Whether an exception says the step's files are bad: a definite error in its chain (a wrapper raised from one
+  counts) and nothing there that could have failed with good files (an I/O error, a transient or access error)."""
+  chain = list(_chain(error))
+  if is_transient(error) or any(_denied(e) or _says_nothing_about_the_files(e) for e in chain):
+    return False
+  return any(_definite(e) for e in chain)
 
 
 _injected: dict[str, int] = {}
@@ -93,8 +147,8 @@ def _inject_fault(where: str) -> None:
 
 
 def read(where: str, fn: Callable[[], T], sleep: Callable[[float], Any] = time.sleep) -> T:
-  """fn(), retried on transient errors; failures become UnreadableCheckpointError (definite) or
-  CheckpointReadError (transient errors that outlasted the retries, or access denied)."""
+  """fn(), retried on any error but a definite one or denied access; failures become UnreadableCheckpointError
+  (definite) or CheckpointReadError (errors that outlasted the retries, or access denied)."""
   delay = FIRST_DELAY_S
   for attempt in range(1, ATTEMPTS + 1):
     try:
@@ -104,17 +158,20 @@ def read(where: str, fn: Callable[[], T], sleep: Callable[[float], Any] = time.s
       raise
     except Exception as e:  # orbax, tensorstore and gcsfs raise many types
       cause = first_line(e, with_type=True)
-      if is_transient(e) and attempt < ATTEMPTS:
+      if is_unreadable(e):
+        raise UnreadableCheckpointError(f"checkpoint {where} could not be read ({cause})") from e
+      # Refused access stays refused: retrying it would only delay the one line that says so.
+      denied = any(_denied(c) for c in _chain(e)) and not is_transient(e)
+      if not denied and attempt < ATTEMPTS:
         logging.warning(
           "reading checkpoint %s failed (%s); retry %d of %d in %.1fs", where, cause, attempt, ATTEMPTS - 1, delay
         )
         sleep(delay)
         delay *= 2
         continue
-      if _not_the_steps_fault(e):
-        raise CheckpointReadError(
-          f"checkpoint {where} could not be read after {attempt} attempt(s) ({cause}); not falling back to an "
-          "earlier step for a storage error: check access to the storage and start the run again"
-        ) from e
-      raise UnreadableCheckpointError(f"checkpoint {where} could not be read ({cause})") from e
+      raise CheckpointReadError(
+        f"checkpoint {where} could not be read after {attempt} attempt(s) ({cause}); not falling back to an "
+        "earlier step for an error that need not be the step's: check the storage and access to it, and start the "
+        "run again"
+      ) from e
   raise AssertionError("unreachable")

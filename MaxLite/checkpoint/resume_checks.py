@@ -5,6 +5,10 @@ files, tokenizer, chat template, seed, sequence length, global batch size and pa
 grain_pipeline.py; the data position also records the tokenizer's and template's contents),
 and the weights only fit the same model shape; the mesh, the number of processes, `steps` and everything
 else may change. A difference is named, never absorbed: silently continuing would skip or repeat data.
+
+A step without its saved config (saved before configs were stored, or the file was lost) has nothing to compare: it
+is resumed, with a warning naming the keys left unchecked. Stopping would leave such a run no step to resume from,
+and the weights are still checked against this model's shapes when they are read.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from absl import logging
 
 from MaxLite import storage
 from MaxLite.checkpoint import saved_config_path
@@ -49,10 +55,20 @@ def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 
 def check_resume(step_dir: str, config: Config) -> None:
-  """CheckpointError naming every difference between the step's saved config and this one."""
+  """CheckpointError naming every difference between the step's saved config and this one; a warning if the step
+  has no saved config."""
   path = saved_config_path(step_dir)
   if not storage.isfile(path):
-    return  # saved before configs were stored: nothing to compare
+    keys = STREAM_KEYS + (FILE_STREAM_KEYS if config.dataset_type != "synthetic" else ())
+    logging.warning(
+      "checkpoint %s has no saved config (%s): resuming it with %s not checked against the values it was saved with "
+      "(a change skips or repeats data; then stop and start a new run_name with load_full_state_path=%s)",
+      step_dir,
+      path,
+      ", ".join(keys),
+      step_dir,
+    )
+    return
   saved = json.loads(storage.read_text(path))
   differences = resume_differences(saved, config.to_dict())  # to_dict gives lists for tuples, as JSON does
   if differences:
