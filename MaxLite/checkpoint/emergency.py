@@ -6,7 +6,9 @@ Orbax splits the hosts by the mesh's data axis into replicas of the state: the f
 storage every `checkpoint_period` steps, the others to their `local_checkpoint_directory` every
 `local_checkpoint_period` steps. A restart restores the newest step any replica has (a replica that holds it
 reads it and sends it to the others) or else the newest persistent one. A host that lost its disk has no local
-steps, and the job resumes from what the others have.
+steps, and the job resumes from what the others have. Before orbax's collective restore every process reads the
+step's data positions and config, and all agree on the outcome (checkpoint/manager.py `restore_agreed`): a step
+that some process finds unreadable is skipped by all, any other failure stops all, none is left waiting.
 
 Orbax's manager holds the state only. The data positions of every process (what resumes the input stream
 exactly) and the config go to `<run_dir>/data_positions/<step>` on persistent storage at every save, local or
@@ -23,19 +25,21 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency_manager
 
 from MaxLite import storage
-from MaxLite.checkpoint import CONFIG, DATA_ITER, agreement
+from MaxLite.checkpoint import CONFIG, DATA_ITER
 from MaxLite.checkpoint.manager import (
   ConfigHandler,
   ConfigSave,
   DataIteratorHandler,
-  DataIteratorRestore,
   DataIteratorSave,
+  restore_agreed,
   select_iterator_state,
 )
 from MaxLite.checkpoint.reads import read
+from MaxLite.cli.errors import CheckpointError, InputError
 from MaxLite.config import Config
 
 DATA_POSITIONS = "data_positions"
@@ -119,33 +123,49 @@ class EmergencyCheckpoints:
       self._state.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), force=force)
 
   def restore_newest(self, data_iterator: Any, check: Callable[[str], None]) -> tuple[Any, int] | None:
-    """(state, step) of the newest step some replica or the persistent directory holds, the same on every
-    process; None when there is none. `check(step_dir)` compares the config the step was saved with."""
+    """(state, step) of the newest step some replica or the persistent directory holds and every process can
+    read, the same on every process; None when there is none. `check(step_dir)` compares the config the step was
+    saved with. A step whose data positions a process cannot read is skipped by all (see `restore_agreed`)."""
     with _no_mesh():
       state_steps, data_steps = sorted(self._state.all_steps()), sorted(self._data.all_steps())
     logging.info("emergency checkpoints: state steps %s, data position steps %s", state_steps, data_steps)
-    steps = agreement.process_0s(sorted(set(state_steps) & set(data_steps), reverse=True))
-    self._drop_local_steps_after(steps[0] if steps else None)
-    if not steps:
-      return None
-    step = steps[0]
-    positions_dir = storage.join(self._data.directory.as_posix(), str(step))
-    read(positions_dir, lambda: check(positions_dir))
-    logging.info("emergency checkpoints: restoring step %d (steps available: %s)", step, steps[:5])
-    with _no_mesh():
-      state = read(f"emergency checkpoint step {step}", lambda: self._state.restore(step)).state
-    positions = read(
-      positions_dir,
-      lambda: self._data.restore(step, args=ocp.args.Composite(**{DATA_ITER: DataIteratorRestore()})),
-    )
-    data_iterator.set_state(select_iterator_state(positions[DATA_ITER], str(step)))
-    return state, step
+    positions_root = self._data.directory.as_posix()
+
+    def positions_dir(step: int) -> str:
+      return storage.join(positions_root, str(step))
+
+    def check_step(step: int) -> None:
+      # All this process reads happens here, before the collective restore, so that its failure is agreed on.
+      # The data iterator takes the positions of each step tried; the last one is the step restored.
+      where = positions_dir(step)
+      read(where, lambda: check(where))  # its config file may be what is corrupt
+      saved = read(where, lambda: DataIteratorHandler().restore(epath.Path(storage.join(where, DATA_ITER))))
+      try:
+        data_iterator.set_state(select_iterator_state(saved, where))
+      except InputError as e:
+        raise CheckpointError(
+          f"checkpoint {where}: {e}; resume with the settings it was saved with, or start a new run_name"
+        ) from None
+
+    def restore_step(step: int) -> Any:
+      self._drop_local_steps_after(step)
+      logging.info("emergency checkpoints: restoring step %d", step)
+      with _no_mesh():
+        return read(f"emergency checkpoint step {step}", lambda: self._state.restore(step)).state
+
+    steps = sorted(set(state_steps) & set(data_steps))
+    resumed = restore_agreed(steps, positions_dir, check_step, restore_step, positions_root)
+    if resumed is None:
+      self._drop_local_steps_after(None)
+    return resumed
 
   def _drop_local_steps_after(self, step: int | None) -> None:
     """Deletes this process's local steps newer than `step`, the one every process resumes from (None: all).
 
-    A kill can leave such a step on one replica only (its data positions or its peers' shards never written).
-    The resumed run saves that step number again, and orbax refuses to save over a step it finds on disk."""
+    A kill can leave such a step on one replica only (its data positions or its peers' shards never written); a
+    step every process skipped as unreadable goes too (its data positions, and a persistent copy if any, stay as
+    they are). The resumed run saves that step number again, and orbax refuses to save over a step it finds on
+    disk."""
     local = local_directory(self.config)
     stale = [s for s in _step_numbers(local) if step is None or s > step]
     for s in stale:

@@ -29,7 +29,12 @@ TAIL_LINES = 20
 # train.py of this installation (checkout or installed package), run as documented; `ps` shows train.py.
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
 STOP_GRACE_S = 10.0
-CAUSE_GRACE_S = 15.0  # at most: the wait ends as soon as no process is left running
+# After the first failure, how long the others may take to exit on their own (their last lines say what they saw)
+# before they are stopped; at most: the wait ends as soon as no process is left running. Which process is named as
+# the cause does not depend on it (see _first_cause).
+CAUSE_GRACE_S = 15.0
+_PF_EXITING = 0x4  # a /proc/<pid>/stat flag: the process is in the kernel's exit path
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's pending-signal masks
 
 
 def free_port() -> int:
@@ -72,6 +77,7 @@ class _Worker:
   def __init__(self, index: int, command: list[str], env: dict[str, str], log_path: str):
     self.index, self.log_path = index, log_path
     self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+    self.stopped = False  # the launcher signalled it while it was alive: how it then ended is the launcher's doing
     self.proc = subprocess.Popen(
       command,
       env=env,
@@ -98,16 +104,35 @@ class _Worker:
     self._pump.join(timeout=5)
 
 
+def _dying(pid: int) -> bool:
+  """Whether the kernel is already ending an unreaped child (Linux): a zombie, in its exit path, or with SIGKILL
+  pending. False where /proc cannot say (other systems)."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+      fields = f.read().rsplit(")", 1)[1].split()  # the command name, in parentheses, may hold spaces
+    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+      pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+  except (OSError, IndexError, ValueError):
+    return False
+  return fields[0] in "ZXx" or bool(int(fields[6]) & _PF_EXITING) or any(m & _SIGKILL_BIT for m in pending)
+
+
 def _stop(workers: list[_Worker], sig: int) -> None:
+  """Sends `sig` to the processes still running, SIGKILL to those left after STOP_GRACE_S; returns once every
+  process is reaped. One the kernel is already ending (killed by someone else, its reap still to come) is left
+  alone and waited for, however long its reap takes: its death must not count as the launcher's."""
   for w in workers:
-    if w.proc.poll() is None:
+    if w.proc.poll() is None and not _dying(w.proc.pid):
+      w.stopped = True
       w.proc.send_signal(sig)
   deadline = time.monotonic() + STOP_GRACE_S
   for w in workers:
     try:
       w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-      w.proc.kill()
+      if not _dying(w.proc.pid):
+        w.stopped = True
+        w.proc.kill()
       w.proc.wait()
 
 
@@ -118,22 +143,35 @@ def _report_failure(w: _Worker, out: IO[str]) -> None:
     out.write(f"  | {line}\n")
 
 
-def _first_cause(workers: list[_Worker], failed: list[_Worker]) -> _Worker:
-  """The failed process to report: one killed by a signal is the cause, its peers only lose the connection.
+def _killed_from_outside(w: _Worker) -> bool:
+  return w.proc.returncode == -signal.SIGKILL and not w.stopped
 
-  The kernel closes a killed process's sockets before its exit can be reaped (tearing down a JAX process's memory
-  takes seconds on a loaded machine), so a peer's exit on the lost connection may be seen first: while every exit
-  seen is an ordinary failure and some process is still running, give a killed one time to show up.
+
+def _first_cause(workers: list[_Worker], failed: list[_Worker]) -> _Worker:
+  """The process to report as the cause, once `failed` (the first failures seen) have exited. Stops the others
+  and decides when every process has been reaped.
+
+  Neither the order of the exits seen nor a time limit can tell which process died first: the kernel closes a
+  killed process's sockets before its exit can be reaped (tearing down a JAX process's memory takes seconds on a
+  loaded machine, longer than any grace), so its peers' exits on the lost connection, with an error or an abort,
+  are often reaped first. How each process ended can: a process does not SIGKILL itself when a peer goes away, so
+  a SIGKILL the launcher did not send (a user, the OOM killer, a scheduler) is the cause whenever it is reaped.
+  Otherwise the cause is among the first failures seen, a signal death before an error exit; processes that the
+  launcher stopped come last.
   """
+  first_seen = set(failed)
   deadline = time.monotonic() + CAUSE_GRACE_S
   while (
-    all(w.proc.returncode > 0 for w in failed)
+    not any(_killed_from_outside(w) for w in workers)  # nothing can come before it
     and any(w.proc.poll() is None for w in workers)
     and time.monotonic() < deadline
   ):
     time.sleep(0.05)
-    failed = [w for w in workers if w.proc.poll() not in (None, 0)]
-  return min(failed, key=lambda w: (w.proc.returncode >= 0, w.index))
+  _stop(workers, signal.SIGTERM)
+  return min(
+    (w for w in workers if w.proc.returncode != 0),
+    key=lambda w: (not _killed_from_outside(w), w.stopped, w not in first_seen, w.proc.returncode >= 0, w.index),
+  )
 
 
 def launch(num_processes: int, devices_per_process: int, train_args: Sequence[str], log_dir: str) -> int:
@@ -160,7 +198,6 @@ def launch(num_processes: int, devices_per_process: int, train_args: Sequence[st
       failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
       if failed and not forwarded:
         _report_failure(_first_cause(workers, failed), sys.stderr)
-        _stop(workers, signal.SIGTERM)
         break
       if all(c is not None for c in codes):
         break
