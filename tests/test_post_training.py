@@ -9,19 +9,21 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, make_config
+from conftest import REPO, first_devices, make_config
 from test_hf_interop import hf_model, maxlite_config, maxlite_params
 
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint.hf_layout import global_tensors, layer_tensors
+from MaxLite.checkpoint.manager import saved_arrays
 from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.data.grain_pipeline import Records, make_grain_iterator
 from MaxLite.data.packing import Group, Masked, pack_documents
 from MaxLite.data.records import EncodeRecord
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.layers.decoder import Transformer
-from MaxLite.training import dpo
+from MaxLite.training import dpo, loss
 from MaxLite.training.train_step import batch_loss_sums
+from MaxLite.training.trainer import train
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -179,6 +181,80 @@ def test_dpo_loss_is_log_2_when_policy_is_reference(models):
   assert float(sums["pairs"]) == 6
   np.testing.assert_allclose(float(sums["loss_sum"]) / 6, math.log(2), rtol=1e-6)
   assert float(sums["rewards/margins"]) == 0.0 and float(sums["rewards/accuracies"]) == 0.0
+
+
+def test_dpo_reference_runs_without_dropout(models):
+  """With dropout_rate > 0 the policy's forward pass drops activations but the frozen reference's never does: the
+  reference log-probabilities in the rewards are those of a deterministic forward pass of the reference params."""
+  policy, _, config, params, ref_params = models
+  config = maxlite_config(config.load_parameters_path, f"max_target_length={SEQ}", "use_dpo=true", "dropout_rate=0.5")
+  _, batch = _dpo_batch(np.random.default_rng(3), policy.config.vocab_size)
+  rng = jax.random.key(7)
+  dropping, deterministic = Transformer(config, deterministic=False).apply, Transformer(config).apply
+  _, sums = batch_loss_sums(params, dropping, batch, rng, config, reference=ref_params)
+
+  def responses(apply, p):  # the train step's forward pass: dropout drawn from `rng`
+    logits, _ = apply(
+      {"params": p},
+      batch["inputs"],
+      batch["inputs_position"],
+      batch["inputs_segmentation"],
+      rngs={"dropout": rng},
+      mutable="intermediates",
+    )
+    log_p, _ = loss.target_log_probs(logits, batch["targets"])
+    return dpo.response_log_probs(log_p, batch["targets_segmentation"])
+
+  chosen, rejected, valid = responses(dropping, params)
+  ref_chosen, ref_rejected, _ = responses(deterministic, ref_params)
+  assert not np.allclose(responses(dropping, ref_params)[0], ref_chosen)  # the dropout changes log-probabilities
+  beta = config.dpo_beta
+  np.testing.assert_allclose(float(sums["rewards/chosen"]), beta * float(np.sum(valid * (chosen - ref_chosen))), 1e-5)
+  np.testing.assert_allclose(
+    float(sums["rewards/rejected"]), beta * float(np.sum(valid * (rejected - ref_rejected))), 1e-5
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")  # the arrays are compared on host
+def test_dpo_from_the_full_state_of_a_run_without_dpo(tmp_path):
+  """load_full_state_path may name a step of a pretraining or SFT run, whose state holds no reference: DPO goes on
+  from that state (its step, parameters and optimizer moments) with its parameters as the frozen reference, so the
+  first loss is log 2, and the DPO run's checkpoint holds those parameters as its reference."""
+  import orbax.checkpoint as ocp
+
+  common = (
+    "model_name=tiny",
+    "max_target_length=64",
+    "per_device_batch_size=2",
+    "enable_tensorboard=false",
+    "enable_checkpointing=true",
+    f"base_output_directory={tmp_path}",
+  )
+  train(make_config(*common, "run_name=pre", "dataset_type=synthetic", "steps=2"), first_devices(1))
+  preferences = os.path.join(REPO, "assets", "post_training", "preferences-train.jsonl")
+  rows = train(
+    make_config(
+      *common,
+      "run_name=dpo",
+      "use_dpo=true",
+      "dataset_type=grain",
+      "grain_file_type=jsonl",
+      f"grain_train_files={preferences}",
+      "grain_eval_files=",
+      f"load_full_state_path={tmp_path}/pre/checkpoints/2",
+      "steps=3",
+    ),
+    first_devices(1),
+  )
+  assert [r["step"] for r in rows] == [3]
+  np.testing.assert_allclose(rows[0]["loss"], math.log(2), rtol=1e-6)
+  dpo_state = str(tmp_path / "dpo" / "checkpoints" / "3" / "state")
+  assert any(name.startswith("reference.") for name in saved_arrays(dpo_state))
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    loaded = checkpointer.restore(str(tmp_path / "pre" / "checkpoints" / "2" / "state"))["params"]
+    reference = checkpointer.restore(dpo_state)["reference"]
+  jax.tree.map(np.testing.assert_array_equal, reference, loaded)
 
 
 def test_response_log_probs_per_pair():

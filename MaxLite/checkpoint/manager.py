@@ -13,8 +13,9 @@ import dataclasses
 import functools
 import json
 import logging as std_logging
-from collections.abc import Callable
-from typing import Any
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -113,6 +114,37 @@ def save(manager: Any, step: int, state: Any, data_iterator: Any, config: Config
   manager.save(step, args=args, force=True)
 
 
+class _FailedWriteTasks(std_logging.Filter):
+  """Drops asyncio's "exception was never retrieved" records of a failed save's other write tasks. They fail the
+  same way as the one the save reports, and asyncio logs each one's traceback when it is garbage-collected (at exit,
+  under load), after the one line the save's error becomes. Such a record carries an exception of a type in that
+  error's chain and names a file of the step (`<dir>/<step>/...` or orbax's `<dir>/<step>.orbax-checkpoint-tmp...`,
+  in any tier's directory); every other asyncio record still comes out."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self._failures: list[tuple[re.Pattern[str], tuple[type[BaseException], ...]]] = []
+
+  def add(self, step: int, error: BaseException) -> None:
+    types, seen, cause = [], set(), error
+    while cause is not None and id(cause) not in seen:
+      seen.add(id(cause))
+      types.append(type(cause))
+      cause = cause.__cause__ or cause.__context__
+    self._failures.append((re.compile(rf"/{step}(?:/|\.orbax-checkpoint-tmp)"), tuple(types)))
+    std_logging.getLogger("asyncio").addFilter(self)  # once: a filter already there is not added again
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    exception = record.exc_info[1] if record.exc_info else None
+    if exception is None or "exception was never retrieved" not in str(record.msg):
+      return True
+    text = str(exception)
+    return not any(isinstance(exception, types) and step.search(text) for step, types in self._failures)
+
+
+_failed_write_tasks = _FailedWriteTasks()
+
+
 class Saves:
   """Starts saves, and turns a failed one into a CheckpointError naming its step as soon as it is known.
 
@@ -168,34 +200,59 @@ class Saves:
       self.manager.close()
 
   def _failed(self, step: int, error: BaseException) -> CheckpointError:
-    # Orbax's other write tasks of this save fail the same way; asyncio would print each one's traceback when
-    # they are garbage-collected (at exit, under load), after the one line this error becomes.
-    std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
+    _failed_write_tasks.add(step, error)
     where = storage.join(str(self.manager.directory), str(step))
     cause = first_line(error, with_type=True, limit=1000)  # storage errors name the file first, the reason last
     return CheckpointError(f"saving checkpoint step {step} to {where} failed ({cause})")
 
 
 _READABLE, _UNREADABLE, _FAILED = 0, 1, 2
+T = TypeVar("T")
 
 
 def restore_newest(
   manager: ocp.CheckpointManager, target: Any, data_iterator: Any, check: Callable[[str], None]
 ) -> tuple[Any, int] | None:
-  """(state, step) of the newest step every process can read (see `restore`); None when there is no step.
-  `check(step_dir)` runs first on each step tried and raises CheckpointError if it may not be resumed.
+  """(state, step) of the newest step every process can read (see `restore` and `restore_agreed`); None when
+  there is no step. `check(step_dir)` runs first on each step tried and raises CheckpointError if it may not be
+  resumed."""
 
-  All processes try the steps process 0 lists, newest first, and agree on each before restoring it: a step
-  that is definitely unreadable on any process (reads.UnreadableCheckpointError) is skipped by all, with a
-  warning on every process, and left on disk as it is, so a corrupt newest step costs the steps since the one
-  before, not every restart. Any other failure on any process (a step that does not fit this config, storage
-  that kept failing) stops every process: an earlier step would not fit either, or would be a wrong resume."""
+  def dir_of(step: int) -> str:
+    return storage.join(str(manager.directory), str(step))
+
+  return restore_agreed(
+    manager.all_steps(),
+    dir_of,
+    lambda step: _check_readable(dir_of(step), target, check),
+    lambda step: restore(manager, step, target, data_iterator),
+    str(manager.directory),
+  )
+
+
+def restore_agreed(
+  steps: Sequence[int],
+  dir_of: Callable[[int], str],
+  check: Callable[[int], None],
+  restore_step: Callable[[int], T],
+  directory: str,
+) -> tuple[T, int] | None:
+  """(restore_step(step), step) for the newest of process 0's `steps` that every process can read; None when
+  there are no steps. `dir_of(step)` is the step's directory, `directory` theirs, as messages name them.
+
+  Each process runs `check(step)` on its own, so it must use no collectives: it reads what the restore will read
+  before its collectives, and raises CheckpointError if the step may not or cannot be resumed. All processes
+  then agree before any of them enters `restore_step`, where a process that gave up alone would leave the
+  others waiting for it. A step that is definitely unreadable on any process (reads.UnreadableCheckpointError)
+  is skipped by all, with a warning on every process, and left on disk as it is, so a corrupt newest step costs
+  the steps since the one before, not every restart. Any other failure on any process (a step that does not fit
+  this config, storage that kept failing) stops every process: an earlier step would not fit either, or would
+  be a wrong resume."""
   skipped: list[str] = []
-  for step in agreement.process_0s(sorted(manager.all_steps(), reverse=True)):
-    step_dir = storage.join(str(manager.directory), str(step))
+  for step in agreement.process_0s(sorted(steps, reverse=True)):
+    step_dir = dir_of(step)
     error: CheckpointError | None = None
     try:
-      _check_readable(step_dir, target, check)
+      check(step)
     except CheckpointError as e:
       error = e
     verdicts = agreement.everyones(
@@ -203,9 +260,9 @@ def restore_newest(
     )
     if all(v == _READABLE for v in verdicts):
       try:
-        return restore(manager, step, target, data_iterator), step
+        return restore_step(step), step
       except UnreadableCheckpointError as e:
-        if len(verdicts) > 1:  # the others wait in orbax's restore barrier: no agreement is possible now
+        if len(verdicts) > 1:  # the others wait in the restore's collectives: no agreement is possible now
           raise CheckpointError(
             f"{e} on process {jax.process_index()} while restoring it; move {step_dir} aside and start again to "
             "resume every process from the step before"
@@ -223,7 +280,7 @@ def restore_newest(
     skipped.append(f"step {step}{': ' + str(error) if error is not None else where}")
   if skipped:
     raise CheckpointError(
-      f"no checkpoint in {manager.directory} could be read ({'; '.join(skipped)}); move the step directories "
+      f"no checkpoint in {directory} could be read ({'; '.join(skipped)}); move the step directories "
       "aside to start over, or set load_full_state_path to a good step of another run"
     )
   return None
@@ -368,7 +425,12 @@ def load_params(path: str, target_params: Any) -> Any:
 
 
 def load_full_state(path: str, target: Any) -> Any:
+  """The train state saved at `path`, placed as `target`. A DPO target's reference is left None when the step has
+  none (a pretraining or SFT run's); the trainer then makes the loaded parameters the reference."""
   state_dir = resolve_state_dir(path, "load_full_state_path")
+  if getattr(target, "reference", None) is not None:
+    if not any(name.startswith("reference.") for name in saved_arrays(state_dir)):
+      target = target.replace(reference=None)
   check_compatible(state_dir, target)
   with ocp.StandardCheckpointer() as checkpointer:
     return read(state_dir, lambda: checkpointer.restore(state_dir, target))

@@ -61,7 +61,8 @@ def derive(c: dict[str, Any]) -> dict[str, Any]:
   if c["use_dpo"]:
     if not (c["load_parameters_path"] or c["load_full_state_path"]):
       raise ConfigError(
-        "use_dpo=true needs load_parameters_path: its parameters are the frozen reference model and the start"
+        "use_dpo=true needs load_parameters_path (or load_full_state_path): the loaded parameters are the frozen "
+        "reference model and the start"
       )
     if c["num_vocab_tiling"] > 1:
       raise ConfigError("use_dpo=true needs num_vocab_tiling=1 (DPO sums log-probabilities per response)")

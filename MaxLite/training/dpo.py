@@ -12,12 +12,21 @@ With label smoothing eps (the paper's conservative DPO, cDPO: each label is wron
 
 Everything is a sum over the pairs of the batch (as the pretraining loss is over tokens), so microbatches and shards
 add up exactly; the step divides by the number of pairs. The implicit rewards are beta * (log pi - log pi_ref).
+
+The reference is a fixed function of the data: its forward pass never drops activations, whatever dropout_rate
+(TRL runs its reference model in eval mode), so pi_ref is the same for a pair at every step.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from MaxLite.config import Config
+from MaxLite.layers.decoder import Transformer
+from MaxLite.training import loss
 
 # TRL's names for the implicit-reward metrics (each a sum over pairs in dpo_sums; a mean per pair when logged).
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -37,6 +46,20 @@ def response_log_probs(token_log_probs: jax.Array, target_segments: jax.Array) -
   counts = jax.vmap(per_row)((target_segments > 0).astype(jnp.float32), index)
   valid = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
   return sums[..., 0], sums[..., 1], valid
+
+
+def reference_log_probs(reference: Any, batch: dict[str, jax.Array], config: Config) -> tuple[jax.Array, jax.Array]:
+  """(chosen, rejected), each [batch, pairs]: the frozen reference's summed log-probabilities of each pair's
+  responses, from its own deterministic forward pass (no dropout, no gradient)."""
+  logits = Transformer(config, deterministic=True).apply(
+    {"params": jax.lax.stop_gradient(reference)},
+    batch["inputs"],
+    batch["inputs_position"],
+    batch["inputs_segmentation"],
+  )
+  log_p, _ = loss.target_log_probs(logits, batch["targets"])
+  chosen, rejected, _ = response_log_probs(log_p, batch["targets_segmentation"])
+  return chosen, rejected
 
 
 def dpo_sums(

@@ -83,6 +83,14 @@ def state_from_params(
   return jax.jit(functools.partial(_new_state, model, tx, config), out_shardings=shardings)(params)
 
 
+def reference_from_params(state: TrainState, shardings: Any) -> TrainState:
+  """`state` with its parameters also as DPO's frozen reference: for a state loaded from a run without DPO (a
+  pretraining or SFT step), whose parameters are the reference as load_parameters_path's are. The reference gets
+  buffers of its own (the train step donates the parameters' buffers), placed as `shardings.reference`."""
+  reference = jax.jit(lambda params: params, out_shardings=shardings.reference)(state.params)
+  return state.replace(reference=reference)
+
+
 def bytes_per_device(tree: Any) -> int:
   """Bytes this tree occupies on the most-loaded device, measured from the live shards."""
   per_device: dict[Any, int] = {}

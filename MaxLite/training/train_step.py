@@ -70,7 +70,8 @@ def _dpo_loss_sums(params: Any, reference: Any, apply_fn: Any, batch: Batch, rng
     return dpo.response_log_probs(log_p, batch["targets_segmentation"])
 
   chosen, rejected, valid = responses(params)
-  ref_chosen, ref_rejected, _ = responses(jax.lax.stop_gradient(reference))
+  # The reference's own forward pass: without dropout, whatever dropout_rate (training/dpo.py).
+  ref_chosen, ref_rejected = dpo.reference_log_probs(reference, batch, config)
   sums = dpo.dpo_sums(
     (chosen, rejected), (ref_chosen, ref_rejected), valid, config.dpo_beta, config.dpo_label_smoothing
   )

@@ -27,13 +27,20 @@ from MaxLite.training.evaluation import make_evaluator
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.profiler import Profiler
-from MaxLite.training.train_state import abstract_state, bytes_per_device, create_train_state, state_from_params
+from MaxLite.training.train_state import (
+  abstract_state,
+  bytes_per_device,
+  create_train_state,
+  reference_from_params,
+  state_from_params,
+)
 from MaxLite.training.train_step import jit_train_step
 
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None, guard: Any = None) -> list[dict[str, Any]]:
   """Train for config.steps steps; returns the metrics rows (also written to metrics.jsonl). `guard`
-  (run_lock.hold's, on every process) is asked before each save whether the run still owns its directory."""
+  (run_lock.hold's, on every process) is asked before each save and each metrics row whether the run still owns its
+  directory."""
   mesh = create_mesh(config, devices)
   logging.info(describe_mesh(mesh))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
@@ -55,6 +62,9 @@ def initial_state(
     return state, shardings, step
   if config.load_full_state_path:
     state = checkpointing.load_full_state(config.load_full_state_path, target)
+    if config.use_dpo and state.reference is None:
+      state = reference_from_params(state, shardings)
+      logging.info("the loaded state has no DPO reference: its parameters are the frozen reference")
     logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
     return state, shardings, int(state.step)
   if config.load_parameters_path:
@@ -96,7 +106,7 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any) -> list[
     batch_sharding = sharding_lib.batch_sharding(mesh, config)
     step_fn = jit_train_step(config, shardings, batch_sharding, sharding_lib.replicated(mesh))
     evaluator = stack.enter_context(make_evaluator(config, mesh, shardings.params, batch_sharding))
-    log = stack.enter_context(StepLog(config))
+    log = stack.enter_context(StepLog(config, guard))
     profiler = stack.enter_context(Profiler(config))
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
