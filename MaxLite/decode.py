@@ -1,10 +1,13 @@
-"""Generate text from a checkpoint with a KV cache: batched prefill, then one token per step.
+r"""Generate text from a checkpoint with a KV cache: batched prefill, then one token per step.
 
 Usage:   python MaxLite/decode.py CONFIG.yml load_parameters_path=CKPT/STEP [key=value ...]   (or: maxlite-decode ...)
 Example: python MaxLite/decode.py configs/base.yml load_parameters_path=outputs/run/checkpoints/200 \
            prompt="The Python" max_prefill_predict_length=64 max_decode_steps=32 decode_sampling_strategy=greedy
 
-decode_sampling_strategy is greedy, weighted (temperature sampling), topk or nucleus, as in MaxText.
+decode_sampling_strategy is greedy, weighted (temperature sampling), topk or nucleus, as in MaxText; the sampling
+ones need decode_sampling_temperature > 0 (greedy ignores it), topk decode_sampling_top_k >= 1 and nucleus
+decode_sampling_nucleus_p in (0, 1]. A prompt longer than max_prefill_predict_length keeps BOS and its last tokens,
+with a warning, and is printed as the model saw it, after "…".
 
 Model settings come from the checkpoint. Several prompts separated by " ||| " decode as one batch
 (right-padded; padding is segment 0, which attention never sees). The cache lives in flax's "cache"

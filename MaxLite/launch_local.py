@@ -1,4 +1,4 @@
-"""Run N train.py processes on this machine, joined by jax.distributed, as a multi-host job would.
+r"""Run N train.py processes on this machine, joined by jax.distributed, as a multi-host job would.
 
 Usage:   python MaxLite/launch_local.py [--num_processes=N] [--devices_per_process=M] CONFIG.yml [key=value ...]
          (or: maxlite-launch-local ...)

@@ -2,6 +2,7 @@
 held-out eval, JSONL) and a small ChatML tokenizer for the tiny models (see data/doc_qa.py, data/chat_tokenizer.py).
 
 Usage:   python MaxLite/make_post_training_data.py [--output_dir assets]     (or: maxlite-make-post-training-data)
+Example: python MaxLite/make_post_training_data.py --output_dir data/post_training     (a copy beside the shipped one)
 
 Writes OUTPUT_DIR/post_training/{chats,preferences}-{train,eval}.jsonl, preferences-eval-trained-sections.jsonl and
 OUTPUT_DIR/tokenizer/chat/. The files in assets/ are exactly what this writes (a test rebuilds and compares them).

@@ -1,4 +1,4 @@
-"""Find the fastest layout that fits a model on a TPU slice, before booking it.
+r"""Find the fastest layout that fits a model on a TPU slice, before booking it.
 
 Usage:
   python MaxLite/plan.py CONFIG.yml model_name=llama2-70b compile_topology=v5p-128 [key=value ...]

@@ -1,4 +1,4 @@
-"""Compile the real train step ahead of time for a TPU topology (or cpu-N) and say whether it fits.
+r"""Compile the real train step ahead of time for a TPU topology (or cpu-N) and say whether it fits.
 
 Usage:   python MaxLite/train_compile.py CONFIG.yml compile_topology=TOPOLOGY [key=value ...]
          (or: maxlite-compile ...)

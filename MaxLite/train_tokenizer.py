@@ -1,9 +1,11 @@
-"""Train a sentencepiece tokenizer on the shards prepare_data.py writes, Parquet / JSONL files or plain text (see
+r"""Train a sentencepiece tokenizer on the shards prepare_data.py writes, Parquet / JSONL files or plain text (see
 data/tokenizer_training.py for how).
 
 Example (or: maxlite-train-tokenizer ...):
   python MaxLite/train_tokenizer.py --input 'assets/corpus/train-*.array_record' \
-      --model_prefix assets/tokenizer/maxlite_sp8k --vocab_size 8192
+      --model_prefix data/mine/sp --vocab_size 8192
+
+writes data/mine/sp.model and sp.vocab; the shipped assets/tokenizer/maxlite_sp8k.model is this command's output.
 """
 
 from __future__ import annotations

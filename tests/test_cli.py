@@ -1,4 +1,5 @@
-"""The documented command, end to end: exit 0, loss falls, metrics.jsonl rows, readable tensorboard events."""
+"""The documented command, end to end: exit 0, loss falls, metrics.jsonl rows, readable tensorboard events; each
+tool run without its config names its own usage."""
 
 import glob
 import json
@@ -7,11 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
-
-pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
+from conftest import FAST_COMPILE, REPO
 
 
+@pytest.mark.slow  # see pytest.ini: the quick tier leaves it out
 def test_default_command_learns_the_shipped_corpus(tmp_path):
   """configs/base.yml as shipped (grain over assets/corpus, sentencepiece), run from another directory: every step
   logged to metrics.jsonl and to tensorboard events that tensorboard reads, the eval loss well below the first."""
@@ -49,3 +49,42 @@ def test_default_command_learns_the_shipped_corpus(tmp_path):
   assert abs(losses[-1].value - steps[-1]["loss"]) < 1e-5
   # The start-up summary prints the derived values.
   assert "global_batch_size_to_train_on = 4" in proc.stderr and "num_params" in proc.stderr
+
+
+# (module, console script, its entry function, what its usage line starts with after the tool's name)
+TOOLS_TAKING_A_CONFIG = [
+  ("decode", "maxlite-decode", "main", "CONFIG.yml load_parameters_path=CKPT/STEP [key=value ...]"),
+  ("train_compile", "maxlite-compile", "main", "CONFIG.yml compile_topology=TOPOLOGY [key=value ...]"),
+  ("plan", "maxlite-plan", "main", "CONFIG.yml model_name=llama2-70b compile_topology=v5p-128 [key=value ...]"),
+  ("train", "maxlite-train", "script", "CONFIG.yml [key=value ...]"),
+  ("launch_local", "maxlite-launch-local", "main", "[--num_processes=N] [--devices_per_process=M] CONFIG.yml"),
+]
+
+
+def _forms(module: str, console: str, entry: str) -> list[tuple[list[str], str]]:
+  """(command, the name it should call itself) for the script, `python -m` and console-script forms; the console
+  script is run as its installed wrapper does (argv[0] its name, then the entry), so no install is needed."""
+  wrapper = f"import sys; sys.argv[0] = {console!r}; from MaxLite.{module} import {entry}; sys.exit({entry}())"
+  return [
+    ([sys.executable, os.path.join("MaxLite", f"{module}.py")], f"{module}.py"),
+    ([sys.executable, "-m", f"MaxLite.{module}"], f"{module}.py"),
+    ([sys.executable, "-c", wrapper], console),
+  ]
+
+
+@pytest.mark.parametrize(
+  "command, name, usage",
+  [
+    (cmd, name, usage)
+    for module, console, entry, usage in TOOLS_TAKING_A_CONFIG
+    for cmd, name in _forms(module, console, entry)
+  ],
+  ids=[f"{module}-{form}" for module, *_ in TOOLS_TAKING_A_CONFIG for form in ("script", "module", "console")],
+)
+def test_no_config_prints_the_usage_of_the_tool_that_was_run(command, name, usage):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+  proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert errors[0].startswith(f"error: usage: {name} {usage}"), errors[0]
+  assert errors[0].endswith(f"(see {name} --help)"), errors[0]

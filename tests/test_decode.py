@@ -1,13 +1,17 @@
 """decode.py: the KV-cache path gives the no-cache logits at every step; sampling strategies behave."""
 
+import os
+import subprocess
+import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import FAST_COMPILE, REPO, make_config
 
+from MaxLite.cli.errors import ConfigError
 from MaxLite.decode import generate, sample
 from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel.sharding import unbox
@@ -89,3 +93,103 @@ def test_prefill_plus_decode_must_fit_the_cache():
   config = make_config("model_name=tiny", "max_target_length=16", "max_prefill_predict_length=10", "max_decode_steps=8")
   with pytest.raises(Exception, match="exceeds max_target_length=16"):
     generate(config, None, PROMPTS)
+
+
+def test_topk_past_the_vocabulary_samples_every_token():
+  logits = jnp.log(jnp.asarray([[0.4, 0.3, 0.2, 0.1]]))
+  drawn = {int(sample(logits, jax.random.key(i), _settings("topk", k=40))[0]) for i in range(200)}
+  assert drawn == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (["decode_sampling_strategy=topk", "decode_sampling_top_k=0"], "decode_sampling_top_k must be in [1, inf)"),
+    (["decode_sampling_top_k=-3"], "decode_sampling_top_k must be in [1, inf)"),
+    (
+      ["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=1.5"],
+      "decode_sampling_nucleus_p must be in (0, 1]",
+    ),
+    (["decode_sampling_nucleus_p=0"], "decode_sampling_nucleus_p must be in (0, 1]"),
+    (["decode_sampling_nucleus_p=nan"], "decode_sampling_nucleus_p must be in (0, 1]"),
+    (
+      ["decode_sampling_strategy=weighted", "decode_sampling_temperature=0"],
+      "decode_sampling_temperature must be in (0, inf) for decode_sampling_strategy='weighted'",
+    ),
+    (
+      ["decode_sampling_strategy=topk", "decode_sampling_temperature=-1"],
+      "decode_sampling_temperature must be in (0, inf) for decode_sampling_strategy='topk'",
+    ),
+    (
+      ["decode_sampling_strategy=nucleus", "decode_sampling_temperature=inf"],
+      "decode_sampling_temperature must be in (0, inf) for decode_sampling_strategy='nucleus'",
+    ),
+    (["max_prefill_predict_length=0"], "max_prefill_predict_length must be at least 1"),
+    (["max_decode_steps=-1"], "max_decode_steps must be at least 1"),
+    (["decode_seed=-1"], "decode_seed must be in [0, 2**32)"),
+    (["decode_seed=4294967296"], "decode_seed must be in [0, 2**32)"),
+  ],
+)
+def test_decode_settings_out_of_range_are_one_clear_error(overrides, message):
+  with pytest.raises(ConfigError) as e:
+    make_config(*overrides)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_greedy_takes_temperature_zero():
+  """Greedy never reads the temperature; 0 is how other tools spell greedy."""
+  assert make_config("decode_sampling_temperature=0").decode_sampling_temperature == 0.0
+
+
+def _decode_cli(*overrides: str) -> subprocess.CompletedProcess:
+  """`python MaxLite/decode.py configs/base.yml ...` on one CPU device, random weights unless a path is given."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+  command = [sys.executable, "MaxLite/decode.py", "configs/base.yml", "jax_cache_dir=", *overrides]
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (
+      ["decode_sampling_strategy=topk", "decode_sampling_top_k=0"],
+      "decode_sampling_top_k must be in [1, inf) (the most likely tokens kept), got 0",
+    ),
+    (
+      ["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=1.5"],
+      "decode_sampling_nucleus_p must be in (0, 1] (probability mass kept), got 1.5",
+    ),
+    (
+      ["decode_sampling_strategy=weighted", "decode_sampling_temperature=0"],
+      "decode_sampling_temperature must be in (0, inf) for decode_sampling_strategy='weighted', got 0.0",
+    ),
+  ],
+  ids=["top_k=0", "nucleus_p=1.5", "weighted-temperature=0"],
+)
+def test_decode_cli_bad_sampling_is_one_line(overrides, message):
+  proc = _decode_cli("max_decode_steps=4", *overrides)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+  assert message in errors[0] and "Traceback" not in proc.stderr, errors[0]
+
+
+def test_fit_prompt_keeps_bos_and_the_last_tokens():
+  from MaxLite.inference.generate import fit_prompt
+
+  assert fit_prompt([1, 5, 6], 3, keep_first=True) == [1, 5, 6]  # fits: unchanged
+  assert fit_prompt([1, 5, 6, 7, 8], 3, keep_first=True) == [1, 7, 8]
+  assert fit_prompt([5, 6, 7, 8], 3, keep_first=False) == [6, 7, 8]
+  assert fit_prompt([1, 5, 6], 1, keep_first=True) == [1]
+
+
+def test_decode_cli_warns_of_a_cut_prompt_and_shows_what_the_model_saw():
+  words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omega"
+  proc = _decode_cli(f"prompt={words} ||| short", "max_prefill_predict_length=6", "max_decode_steps=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: prompt")]
+  assert len(warnings) == 1, proc.stderr[-3000:]  # the short prompt fits
+  assert "warning: prompt [0] is " in warnings[0] and "longer than max_prefill_predict_length=6" in warnings[0]
+  assert "sees only its last 5 after BOS" in warnings[0]
+  shown = proc.stdout.split("[0] ", 1)[1].split("\n[1] ", 1)[0]
+  assert shown.startswith("…") and "omega" in shown and "alpha" not in shown, proc.stdout
+  assert "\n[1] short" in proc.stdout

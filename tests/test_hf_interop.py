@@ -15,7 +15,7 @@ from conftest import BASE_YML, first_devices, make_config
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader
-from MaxLite.cli.errors import InputError
+from MaxLite.cli.errors import CheckpointError, InputError
 from MaxLite.config import load_config
 from MaxLite.decode import generate
 from MaxLite.layers.decoder import Transformer
@@ -148,6 +148,18 @@ def test_bad_inputs_are_one_clear_line(tmp_path):
   assert not os.path.exists(tmp_path / "o3") and not os.path.exists(tmp_path / "o4")
   convert_hf.to_maxlite(path, str(tmp_path / "o5"), [])
   _expect_error("already exists", path, str(tmp_path / "o5"), [])
+
+
+def test_to_hf_of_a_missing_step_names_the_flag_given_and_the_steps_there(tmp_path):
+  _, path = hf_model(tmp_path)
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  missing = tmp_path / "ml" / "77"
+  with pytest.raises(CheckpointError) as error:
+    convert_hf.to_hf(str(missing), str(tmp_path / "export"), [])
+  assert str(error.value) == (
+    f"--checkpoint_path={missing}: no such directory; {tmp_path / 'ml'} holds steps 0 (the newest: {step_dir})"
+  )
+  assert not os.path.exists(tmp_path / "export")
 
 
 @pytest.mark.slow

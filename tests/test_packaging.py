@@ -91,7 +91,8 @@ def test_a_bad_command_line_is_one_error_line_and_exit_2(tool):
 
 @pytest.mark.slow
 def test_installed_package_trains_outside_the_checkout(tmp_path):
-  """`pip install .` (not editable) ships configs, corpus and tokenizer inside the package."""
+  """`pip install .` (not editable) ships configs, corpus and tokenizers inside the package, and the README's
+  `maxlite-train configs/base.yml` finds the shipped config by that name in a directory that has none."""
   site = tmp_path / "site"
   install = _run(
     sys.executable,
@@ -109,6 +110,13 @@ def test_installed_package_trains_outside_the_checkout(tmp_path):
   assert install.returncode == 0, install.stderr[-3000:]
   config = site / "MaxLite" / "configs" / "base.yml"
   assert config.is_file() and (site / "MaxLite" / "assets" / "tokenizer" / "maxlite_sp8k.model").is_file()
+  shipped = [
+    "configs/tpu/v5p/32b.yml",
+    "assets/tokenizer/chat/tokenizer.json",
+    "assets/chat/chatml.jinja",
+    "assets/post_training/chats-train.jsonl",
+  ]
+  assert all((site / "MaxLite" / path).is_file() for path in shipped), shipped
   env = dict(ENV, PYTHONPATH=str(site))
   where = _run(sys.executable, "-c", "import MaxLite; print(MaxLite.__file__)", cwd=tmp_path, env=env)
   assert where.stdout.strip() == str(site / "MaxLite" / "__init__.py"), where
@@ -116,7 +124,7 @@ def test_installed_package_trains_outside_the_checkout(tmp_path):
     sys.executable,
     "-m",
     "MaxLite.train",
-    str(config),
+    "configs/base.yml",
     "model_name=tiny",
     "steps=2",
     "max_target_length=64",

@@ -7,6 +7,7 @@ import pytest
 from conftest import make_config, run_train_cli
 
 from MaxLite.checkpoint.resume_checks import check_resume, resume_differences
+from MaxLite.cli.errors import CheckpointError
 
 TINY = ("model_name=tiny", "max_target_length=64", "eval_interval=-1", "enable_tensorboard=false", "log_period=1")
 
@@ -78,3 +79,15 @@ def test_a_step_without_its_saved_config_is_resumed_with_a_warning_naming_what_i
   assert len(warnings) == 1, warnings
   assert f"checkpoint {step_dir} has no saved config ({step_dir}/config/config.json)" in warnings[0]
   assert "data_shuffle_seed" in warnings[0] and "not checked" in warnings[0]
+
+
+def test_a_resume_with_another_model_points_to_the_checkpoints_model_not_to_load_full_state_path(tmp_path):
+  step_dir = tmp_path / "checkpoints" / "6"
+  (step_dir / "config").mkdir(parents=True)
+  (step_dir / "config" / "config.json").write_text(json.dumps(_as_saved(make_config(*TINY))))
+  with pytest.raises(CheckpointError) as error:
+    check_resume(str(step_dir), make_config(*TINY[1:]))  # the default model
+  message = str(error.value)
+  assert "base_emb_dim 64 -> 256" in message and "\n" not in message
+  assert "Drop base_emb_dim, " in message and "model_name=tiny" in message
+  assert "load_full_state_path" not in message

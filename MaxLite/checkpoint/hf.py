@@ -157,6 +157,8 @@ def _save(params: dict, config: Any, output_path: str) -> str:
 
 def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[str]:
   """Writes config.json + safetensors that transformers' from_pretrained loads."""
+  # The path travels on as load_parameters_path; a wrong one is named by the flag the user typed.
+  checkpointing.resolve_state_dir(checkpoint_path, "--checkpoint_path")
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
   ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}

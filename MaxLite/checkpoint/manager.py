@@ -400,7 +400,7 @@ def resolve_state_dir(path: str, key: str) -> str:
   except Exception as e:  # an unreachable bucket or missing credentials
     raise CheckpointError(f"{key}={path}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
   if not found:
-    raise CheckpointError(f"{key}={path}: no such directory")
+    raise CheckpointError(f"{key}={path}: no such directory{_steps_beside(path)}")
   if storage.isdir(storage.join(path, STATE)):
     if not is_finalized(path):
       raise CheckpointError(f"{key}={path}: this save was never completed (no {COMMIT_MARKER})")
@@ -410,6 +410,19 @@ def resolve_state_dir(path: str, key: str) -> str:
   steps = step_numbers(path)[::-1]
   hint = f" (it holds steps {steps[:5]}; use e.g. {storage.join(path, str(steps[0]))})" if steps else ""
   raise CheckpointError(f"{key}={path} is not a checkpoint step directory{hint}")
+
+
+def _steps_beside(path: str) -> str:
+  """The steps next to a missing step directory: a mistyped or not yet saved step is the usual cause."""
+  parent = storage.dirname(path)
+  try:
+    steps = step_numbers(parent) if storage.isdir(parent) else []
+  except Exception:  # an unreadable parent adds nothing to "no such directory"
+    return ""
+  if not steps:
+    return ""
+  shown = ", ".join(map(str, steps[-10:])) + (f" ({len(steps)} in all)" if len(steps) > 10 else "")
+  return f"; {parent} holds steps {shown} (the newest: {storage.join(parent, str(steps[-1]))})"
 
 
 def load_params(path: str, target_params: Any) -> Any:

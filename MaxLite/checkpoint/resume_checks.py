@@ -70,7 +70,15 @@ def check_resume(step_dir: str, config: Config) -> None:
     )
     return
   saved = json.loads(storage.read_text(path))
-  differences = resume_differences(saved, config.to_dict())  # to_dict gives lists for tuples, as JSON does
+  current = config.to_dict()  # lists for tuples, as JSON has
+  differences = resume_differences(saved, current)
+  model = [key for key in MODEL_KEYS if key in saved and saved[key] != current.get(key)]
+  if model:  # load_full_state_path reads the same shapes, so it is no way out here
+    raise CheckpointError(
+      f"checkpoint {step_dir} cannot be resumed exactly: {'; '.join(differences)}. Drop {', '.join(model)} from the "
+      f"command line and config file (a resumed run takes its model from the checkpoint: model_name="
+      f"{saved.get('model_name', 'default')}), or start a new run_name"
+    )
   if differences:
     raise CheckpointError(
       f"checkpoint {step_dir} cannot be resumed exactly: {'; '.join(differences)}. Go back to the saved values, "

@@ -12,6 +12,7 @@ import argparse
 import gc
 import logging as std_logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -82,6 +83,10 @@ def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -
       sys.exit(BAD_INPUT)
 
   def absl_main(args: list[str]) -> None:
+    if len(args) < 2:  # no CONFIG.yml (absl has taken its own --flags): this tool's usage, not another's
+      program = os.path.basename(args[0])
+      print(f"error: usage: {usage_line(doc, program)} (see {program} --help)", file=sys.stderr)
+      sys.exit(BAD_INPUT)
     logging.get_absl_handler().addFilter(_quiet_orbax_info)
     logging.get_absl_handler().addFilter(_drop_sibling_read_failures)
     sys.unraisablehook = _drop_closed_loop_noise
@@ -90,6 +95,18 @@ def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -
   logging.set_verbosity(logging.INFO)
   app.run(absl_main, argv=argv, flags_parser=parse_flags)
   sys.exit(0)  # app.run exits itself; this only tells type checkers so
+
+
+def usage_line(doc: str, program: str) -> str:
+  """The `Usage:` paragraph of a tool's docstring on one line, named as the user ran it: the docstring spells the
+  script form (`python MaxLite/decode.py`), the user may have typed `maxlite-decode` or `python -m`."""
+  if "Usage:" not in doc:
+    return f"{program} CONFIG.yml [key=value ...]"
+  text = doc.split("Usage:", 1)[1].split("Example:", 1)[0]
+  words = re.sub(r"\(or: [^)]*\)", "", text).split()
+  while words and (words[0] == "python" or words[0].endswith(".py")):
+    words.pop(0)
+  return " ".join([program, *words])
 
 
 def _quiet_orbax_info(record: std_logging.LogRecord) -> bool:

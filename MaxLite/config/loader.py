@@ -192,13 +192,18 @@ def available_models() -> list[str]:
   return sorted(f[: -len(".yml")] for f in os.listdir(MODELS_DIR) if f.endswith(".yml"))
 
 
-def load_raw(argv: Sequence[str]) -> dict[str, Any]:
-  """Merge YAML files, the model overlay and overrides into a typed dict (no derived values)."""
+def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
+  """Merge YAML files, the model overlay and overrides into a typed dict (no derived values). `resuming` (a training
+  run, which resumes its run_name's newest checkpoint) takes the model from that checkpoint."""
   if not argv:
-    raise ConfigError("usage: train.py CONFIG.yml [key=value ...]")
+    # Not a tool's name: decode, plan and launch_local come here too (each config tool prints its own usage first).
+    raise ConfigError("no config file: the arguments are CONFIG.yml [key=value ...]")
   config_path = argv[0]
   if "=" in config_path:
     raise ConfigError(f"first argument must be a YAML config file, got {config_path!r}")
+  # A shipped config (configs/base.yml) is found by its relative name outside a checkout too, as shipped assets are;
+  # a file of that name under the working directory still wins.
+  config_path = storage.resolve(config_path)
   overrides = _canonical(parse_overrides(argv[1:]), "from command line")
   defaults = _read_yaml(BASE_CONFIG_PATH)
   config = dict(defaults)
@@ -212,11 +217,16 @@ def load_raw(argv: Sequence[str]) -> dict[str, Any]:
       raise ConfigError(f"unknown model_name {model_name!r}; available: default, {', '.join(available_models())}")
     _merge(config, _read_yaml(model_path), f"from {model_path}", defaults)
   _merge(config, overrides, "from command line", defaults)
-  # A YAML chain ends in base.yml itself, so only its values that differ from base.yml count as set.
-  explicit = set(overrides) | {k for k, v in from_file.items() if defaults.get(k) != v}
+  # Where each explicitly set key was set, for errors. A YAML chain ends in base.yml itself, so only its values that
+  # differ from base.yml count as set.
+  explicit = {k: f"in {config_path}" for k, v in from_file.items() if defaults.get(k) != v}
   if model_name != "default":
-    explicit |= set(_read_yaml(os.path.join(MODELS_DIR, f"{model_name}.yml")))
-  _take_model_from_checkpoint(config, explicit, defaults)
+    explicit |= {k: f"by model_name={model_name}" for k in _read_yaml(os.path.join(MODELS_DIR, f"{model_name}.yml"))}
+  explicit |= {k: "on the command line" for k in overrides}
+  _take_model_from_checkpoint(config, explicit, defaults, _resumed_step(config) if resuming else None)
+  # A default that follows something else (add_bos follows whether the tokenizer has a BOS) warns only about a value
+  # somebody chose, so the Config says which keys those are.
+  config["explicit_keys"] = sorted(explicit)
   return config
 
 
@@ -265,18 +275,73 @@ def checkpoint_model_settings(path: str) -> dict[str, Any] | None:
   return {k: stored[k] for k in MODEL_KEYS if k in stored}
 
 
-def _take_model_from_checkpoint(config: dict[str, Any], explicit: set[str], defaults: Mapping[str, Any]) -> None:
-  """Model keys nobody set explicitly come from the checkpoint being loaded (explicit ones win, and
-  a real mismatch is then named by the checkpoint's shape check)."""
-  path = config["load_parameters_path"] or config["load_full_state_path"]
-  settings = checkpoint_model_settings(path) if path else None
-  for key, value in (settings or {}).items():
-    saved = coerce(key, value, defaults[key], f"from the checkpoint {path}")
+def _resumed_step(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+  """(directory, saved config) of the newest step a training run of this run_name resumes; None for a new run."""
+  if not (config["enable_checkpointing"] and config["run_name"]):
+    return None
+  # Imported here: they need jax and orbax, and only a training run resumes.
+  from MaxLite.checkpoint.emergency import DATA_POSITIONS
+  from MaxLite.checkpoint.manager import step_numbers
+
+  run_dir = storage.join(storage.absolute(config["base_output_directory"]), config["run_name"])
+  # Emergency checkpoints keep each step's config beside its data positions, local steps' too.
+  folder = storage.join(run_dir, DATA_POSITIONS if config["enable_emergency_checkpoint"] else "checkpoints")
+  try:
+    steps = step_numbers(folder)
+  except Exception:  # an unreachable bucket: the run's bucket check names it next
+    return None
+  for step in reversed(steps):
+    step_dir = storage.join(folder, str(step))
+    try:
+      stored = json.loads(storage.read_text(saved_config_path(step_dir)))
+    except Exception:  # no config, or a corrupt one: the resume skips (or reports) that step itself
+      continue
+    if isinstance(stored, dict):
+      return step_dir, stored
+  return None
+
+
+def _take_model_from_checkpoint(
+  config: dict[str, Any],
+  explicit: Mapping[str, str],
+  defaults: Mapping[str, Any],
+  resumed: tuple[str, dict[str, Any]] | None,
+) -> None:
+  """Model keys nobody set explicitly come from the checkpoint being resumed (`resumed`) or loaded. Explicit ones
+  win over a loaded checkpoint (a real mismatch is then named by its shape check); a resumed run keeps its model, so
+  there an explicit key that differs is an error naming it."""
+  if resumed is not None:
+    path, stored = resumed
+  else:
+    path = config["load_parameters_path"] or config["load_full_state_path"]
+    if not path or not storage.isfile(saved_config_path(step_dir_of(path))):
+      return
+    stored = json.loads(storage.read_text(saved_config_path(step_dir_of(path))))
+  taken, conflicts = [], []
+  for key in ("model_name", *MODEL_KEYS):
+    if key not in stored:  # converted checkpoints name no model_name; older ones may lack newer keys
+      continue
+    saved = coerce(key, stored[key], defaults[key], f"from the checkpoint {path}")
     if key not in explicit:
+      if config[key] != saved:
+        taken.append(f"{key}={saved}")
       config[key] = saved
-    elif config[key] != saved and key != "scan_layers":
+    elif config[key] != saved and resumed is not None:
+      conflicts.append((key, saved))
+    elif config[key] != saved and key not in ("scan_layers", "model_name"):
       # Legitimate (a longer context by a new rope_max_timescale / rope_factor), but never silent.
       logging.warning("%s=%s overrides the value %s of the checkpoint %s", key, config[key], saved, path)
+  if conflicts:
+    given = ", ".join(f"{k}={config[k]} (set {explicit[k]})" for k, _ in conflicts)
+    held = ", ".join(f"{k}={v}" for k, v in conflicts)
+    raise ConfigError(
+      f"run_name={config['run_name']} resumes the checkpoint {path}, whose model has {held}, but {given}; a resumed "
+      "run keeps its model: drop those settings (the model then comes from the checkpoint) or use a new run_name"
+    )
+  if taken:
+    logging.info(
+      "model from the checkpoint %s: %s (keys the command line and config file leave unset)", path, ", ".join(taken)
+    )
 
 
 def build(

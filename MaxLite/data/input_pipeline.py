@@ -27,7 +27,8 @@ from MaxLite.storage import resolve, resolve_list
 
 
 def check_tokenizer(config: Config) -> None:
-  """vocab_size must cover every id the tokenizer can produce; add_bos/add_eos without such a token is said once."""
+  """vocab_size must cover every id the tokenizer can produce; add_bos/add_eos set explicitly without such a token is
+  said once."""
   if config.dataset_type != "grain":
     return
   tokenizer = load_tokenizer(resolve(config.tokenizer_path), config.tokenizer_type)
@@ -37,7 +38,9 @@ def check_tokenizer(config: Config) -> None:
       f"{tokenizer.vocab_size} ({config.tokenizer_path}); set vocab_size >= {tokenizer.vocab_size}"
     )
   for key, token_id in (("add_bos", tokenizer.bos_id), ("add_eos", tokenizer.eos_id)):
-    if getattr(config, key) and token_id < 0:
+    # Left at its default the key follows the tokenizer (Qwen and the shipped chat tokenizer have no BOS): nothing
+    # to warn about. Set to true by the user, the documents lack what was asked for.
+    if getattr(config, key) and token_id < 0 and key in config.explicit_keys:
       logging.warning("%s=true but tokenizer %s has no such token: documents get none", key, config.tokenizer_path)
 
 

@@ -37,7 +37,8 @@ def sample(logits: jax.Array, rng: jax.Array, config: Any) -> jax.Array:
     return jnp.argmax(logits, axis=-1)
   logits = logits / config.decode_sampling_temperature
   if config.decode_sampling_strategy == "topk":
-    kth = jax.lax.top_k(logits, config.decode_sampling_top_k)[0][:, -1:]
+    # A k past the vocabulary means every token (lax.top_k itself refuses it).
+    kth = jax.lax.top_k(logits, min(config.decode_sampling_top_k, logits.shape[-1]))[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   elif config.decode_sampling_strategy == "nucleus":
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
@@ -68,17 +69,38 @@ def _step(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *, m
   return logits[:, 0], variables["cache"]
 
 
+def check_cache_fits(config: Any) -> None:
+  """The prompt and the new tokens must fit the KV cache, whose length is max_target_length."""
+  if config.max_prefill_predict_length + config.max_decode_steps > config.max_target_length:
+    raise ConfigError(
+      f"max_prefill_predict_length={config.max_prefill_predict_length} + max_decode_steps={config.max_decode_steps} "
+      f"exceeds max_target_length={config.max_target_length} (the KV cache length)"
+    )
+
+
+def fit_prompt(tokens: Sequence[int], limit: int, keep_first: bool) -> list[int]:
+  """The prompt cut to its last `limit` tokens; with `keep_first` its first token (BOS) stays at position 0, where
+  the model always saw it in training."""
+  if len(tokens) <= limit:
+    return list(tokens)
+  head = list(tokens[:1]) if keep_first else []
+  return head + list(tokens[len(tokens) - (limit - len(head)) :])
+
+
 def generate(
   config: Any, params: Any, prompts: Sequence[Sequence[int]], eos_id: int | None = None, return_logits: bool = False
 ) -> tuple[list[list[int]], list[np.ndarray]]:
   """Token ids of each prompt's continuation (stopping after eos_id), and optionally each step's logits."""
+  check_cache_fits(config)
   prefill_len = config.max_prefill_predict_length
-  if prefill_len + config.max_decode_steps > config.max_target_length:
-    raise ConfigError(
-      f"max_prefill_predict_length={prefill_len} + max_decode_steps={config.max_decode_steps} exceeds "
-      f"max_target_length={config.max_target_length} (the KV cache length)"
-    )
-  prompts = [list(p)[-prefill_len:] for p in prompts]
+  for row, prompt in enumerate(prompts):
+    if len(prompt) > prefill_len:
+      print(
+        f"warning: prompt [{row}] is {len(prompt)} tokens, longer than max_prefill_predict_length={prefill_len}: "
+        f"the model sees only its last {prefill_len}",
+        file=sys.stderr,
+      )
+  prompts = [fit_prompt(p, prefill_len, keep_first=False) for p in prompts]
   if not all(prompts):
     raise ConfigError("every prompt needs at least one token")
   ids = np.zeros((len(prompts), prefill_len), np.int32)
@@ -118,6 +140,28 @@ def load_params(config: Any, mesh: Any) -> Any:
   return checkpointing.load_params(config.load_parameters_path, target)
 
 
+def _fit_prompts(config: Any, tokenizer: Any, texts: Sequence[str]) -> tuple[list[list[int]], list[str]]:
+  """Each prompt's tokens as the model gets them, and its text as the output shows it: a prompt cut to
+  max_prefill_predict_length is shown as what the model saw, after "…", with a warning naming both lengths."""
+  limit, bos = config.max_prefill_predict_length, tokenizer.bos_id
+  head = [bos] if config.add_bos and bos >= 0 else []
+  prompts, shown = [], []
+  for row, text in enumerate(texts):
+    tokens = head + tokenizer.encode(text)
+    fitted = fit_prompt(tokens, limit, keep_first=bool(head))
+    if len(fitted) < len(tokens):
+      print(
+        f"warning: prompt [{row}] is {len(tokens)} tokens, longer than max_prefill_predict_length={limit}: the model "
+        f"sees only its last {len(fitted) - len(head)}{' after BOS' if head else ''}, shown after '…' (raise "
+        "max_prefill_predict_length, with max_decode_steps within max_target_length, to keep it whole)",
+        file=sys.stderr,
+      )
+      text = "…" + tokenizer.decode(fitted[len(head) :])
+    prompts.append(fitted)
+    shown.append(text)
+  return prompts, shown
+
+
 def run(argv: Sequence[str]) -> list[str]:
   raw = config_lib.load_raw(argv)
   texts = raw["prompt"].split(PROMPT_SEPARATOR)
@@ -126,12 +170,13 @@ def run(argv: Sequence[str]) -> list[str]:
   config = config_lib.build(raw)
   if config.num_pipeline_stages > 1:
     raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
+  check_cache_fits(config)  # before a checkpoint is read
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)
-  bos, eos = tokenizer.bos_id, tokenizer.eos_id
+  eos = tokenizer.eos_id
   mesh = create_mesh(config)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     params = load_params(config, mesh)
-    prompts = [([bos] if config.add_bos and bos >= 0 else []) + tokenizer.encode(t) for t in texts]
+    prompts, texts = _fit_prompts(config, tokenizer, texts)
     outputs, _ = generate(config, params, prompts, eos_id=eos if eos >= 0 else None)
   # Ids past the tokenizer's vocabulary (a model's padded embedding rows, e.g. Qwen's) have no text.
   results = [

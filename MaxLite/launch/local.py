@@ -221,6 +221,8 @@ def run(argv: Sequence[str], doc: str) -> int:
   args = parser.parse_args(argv)
   if args.num_processes < 1 or args.devices_per_process < 1:
     raise UsageError("--num_processes and --devices_per_process must be at least 1")
+  if not args.train_args:
+    raise UsageError(f"usage: {cli.usage_line(doc, parser.prog)} (see {parser.prog} --help)")
   raw = config_lib.load_raw(args.train_args)
   train_args = list(args.train_args)
   run_name = raw["run_name"]

@@ -1,4 +1,4 @@
-"""Start a job on new TPU slices through a queued resource, as MaxText's multihost_job.py does.
+r"""Start a job on new TPU slices through a queued resource, as MaxText's multihost_job.py does.
 
 Usage:   python3 MaxLite/multihost_job.py --TPU_TYPE=TYPE --BUCKET_NAME=gs://... --COMMAND="..." [flags]
          (or: maxlite-tpu-job ...)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from MaxLite import config as config_lib
+from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import choices
 from MaxLite.parallel import topologies
@@ -180,7 +181,7 @@ def write_plan(path: str, argv: Sequence[str], best: search.Result) -> None:
   lines = [
     f"# Written by plan.py: predicted MFU {100 * p['mfu']:.1f}%, {p['tokens_per_s_per_chip']:,.0f} tokens/s/chip, "
     f"{best.device_bytes / GiB:.1f} GiB per device, bottleneck {best.bottleneck}.",
-    f"base_config: {os.path.abspath(yml)}",
+    f"base_config: {os.path.abspath(storage.resolve(yml))}",  # the file load_raw read, wherever plan ran
   ]
   values: dict[str, Any] = dict(a.split("=", 1) for a in user)
   values.update(best.plan.overrides)

@@ -7,7 +7,6 @@ on a TPU VM (jax then reads the slice's hosts from the TPU metadata); elsewhere 
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import threading
@@ -19,6 +18,7 @@ from absl import logging
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import validation
+from MaxLite.runtime.platforms import tpu_chips_present
 
 # JAX's own deadline is set this much later than ours, so our clear message wins the race against
 # the runtime's abort (a C++ fatal error that Python cannot catch).
@@ -47,11 +47,6 @@ def _give_up(raw: Mapping[str, Any]) -> None:
     flush=True,
   )
   os._exit(2)  # the main thread is blocked inside the runtime; nothing else can end the process cleanly
-
-
-def tpu_chips_present() -> bool:
-  """This machine has TPU chips (TPU VMs expose them as /dev/accel* or /dev/vfio/<n>), whatever jax sees."""
-  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def join_reason(raw: Mapping[str, Any], environ: Mapping[str, str], tpu_present: bool) -> str | None:

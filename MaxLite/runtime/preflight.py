@@ -20,8 +20,9 @@ from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config
 from MaxLite.runtime import distributed
 
-# Keys that legitimately differ between the processes of one job.
-_PER_PROCESS_KEYS = ("process_id",)
+# Keys that legitimately differ between the processes of one job: process_id, and which keys were set explicitly
+# (steps=200 typed on one host and left at its default on another is the same run).
+_PER_PROCESS_KEYS = ("process_id", "explicit_keys")
 
 
 def check_tpu_support(environ: Mapping[str, str], tpu_present: bool) -> None:

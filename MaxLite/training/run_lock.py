@@ -114,6 +114,7 @@ class _LocalLock:
 
   def __init__(self, config: Config):
     self.path = lock_path(config)
+    self._run_dir, self._made = config.run_dir, _outermost_missing(config.run_dir)
     try:
       storage.makedirs(config.run_dir)
       self._fd = self._open_locked(config)
@@ -166,7 +167,37 @@ class _LocalLock:
       os.remove(self.path)  # while still held, so no other run is between our delete and our unlock
     except OSError as e:
       logging.warning("%s: could not remove the lock file (%s)", self.path, first_line(e))
+    if self._made is not None:  # before the unlock: no other run can have started writing in them
+      _remove_empty_dirs(self._run_dir, self._made)
     os.close(self._fd)
+
+
+def _outermost_missing(path: str) -> str | None:
+  """The outermost directory on the way to `path` that does not exist yet (None: `path` exists)."""
+  missing = None
+  while path and not os.path.exists(path):
+    missing, parent = path, os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return missing
+
+
+def _remove_empty_dirs(run_dir: str, outermost: str) -> None:
+  """A run that stopped before it wrote anything (an input it could not read, a checkpoint that does not fit) leaves
+  no run directory: the directories this run made that are still empty go, deepest first; never a file."""
+  for root, _, _ in os.walk(run_dir, topdown=False):
+    with contextlib.suppress(OSError):
+      os.rmdir(root)
+  path = os.path.dirname(run_dir)
+  while len(path) >= len(outermost) and not os.path.exists(run_dir):
+    try:
+      os.rmdir(path)
+    except OSError:
+      return
+    if path == outermost:
+      return
+    path = os.path.dirname(path)
 
 
 class _ObjectLock:

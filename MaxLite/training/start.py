@@ -1,5 +1,6 @@
 """Starting a training run: the TPU checks and libtpu flags before jax opens the device, joining the job, the
-config, the preflight checks and the run lock, then the train loop. train.py is its command line."""
+config, the preflight checks, then the train loop (it takes the run lock once the inputs are checked). train.py is its
+command line."""
 
 from __future__ import annotations
 
@@ -33,8 +34,12 @@ _SHOWN_DERIVED = (
 
 def summarize(config: config_lib.Config) -> str:
   mesh = " x ".join(f"{a}={n}" for a, n in zip(choices.MESH_AXES, config.mesh_shape))
+  model = config.model_name
+  loaded = config.load_parameters_path or config.load_full_state_path
+  if model == "default" and loaded:  # a converted checkpoint names no model: its settings are the checkpoint's
+    model = f"of {loaded}"
   lines = [
-    f"model {config.model_name}: {config.num_params / 1e6:.2f}M params, {config.base_num_decoder_layers} layers, "
+    f"model {model}: {config.num_params / 1e6:.2f}M params, {config.base_num_decoder_layers} layers, "
     f"emb {config.base_emb_dim}, dtype {config.dtype}/{config.weight_dtype}, data {config.dataset_type}",
     f"mesh {mesh}",
   ]
@@ -44,7 +49,7 @@ def summarize(config: config_lib.Config) -> str:
 
 def run(argv: Sequence[str]) -> None:
   """Train with the config of `argv` (CONFIG.yml key=value ...), in this process."""
-  raw = config_lib.load_raw(argv)
+  raw = config_lib.load_raw(argv, resuming=True)
   tpu_present = distributed.tpu_chips_present()
   preflight.check_tpu_support(os.environ, tpu_present)
   flags = topologies.set_libtpu_flags(os.environ, tpu_present)  # before jax opens the TPU
@@ -64,5 +69,4 @@ def run(argv: Sequence[str]) -> None:
   logging.info("attention kernel %s (%s)", config.attention_kernel, config.attention_choice)
   from MaxLite.training.trainer import train
 
-  with run_lock.hold(config) as guard:
-    train(config, guard=guard)
+  train(config, lock=run_lock.hold)  # taken once the run's inputs are checked: a failing run writes nothing

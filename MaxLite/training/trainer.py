@@ -9,13 +9,14 @@ are read and its new state is checked for NaN/Inf.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
+from MaxLite import storage
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
@@ -37,14 +38,19 @@ from MaxLite.training.train_state import (
 from MaxLite.training.train_step import jit_train_step
 
 
-def train(config: Config, devices: Sequence[jax.Device] | None = None, guard: Any = None) -> list[dict[str, Any]]:
+def train(
+  config: Config,
+  devices: Sequence[jax.Device] | None = None,
+  guard: Any = None,
+  lock: Callable[[Config], contextlib.AbstractContextManager[Any]] | None = None,
+) -> list[dict[str, Any]]:
   """Train for config.steps steps; returns the metrics rows (also written to metrics.jsonl). `guard`
   (run_lock.hold's, on every process) is asked before each save and each metrics row whether the run still owns its
-  directory."""
+  directory; or `lock` (run_lock.hold) is taken once the inputs are checked, and its guard asked."""
   mesh = create_mesh(config, devices)
   logging.info(describe_mesh(mesh))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    return _train_on_mesh(config, mesh, guard)
+    return _train_on_mesh(config, mesh, guard, lock)
 
 
 def initial_state(
@@ -92,7 +98,7 @@ def _print_sharding_report(config: Config, mesh: jax.sharding.Mesh, model: Any, 
   print(sharding_lib.sharding_report(abstract.params, logical.params, shardings.params), flush=True)
 
 
-def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any) -> list[dict[str, Any]]:
+def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: Any) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
   model = Transformer(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
@@ -100,14 +106,22 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any) -> list[
     _print_sharding_report(config, mesh, model, tx)
   with contextlib.ExitStack() as stack:  # closed in reverse: the last save is waited for before the input stops
     batches = stack.enter_context(contextlib.closing(input_pipeline.make_iterator(config, mesh, "train")))
+    # The lock makes the run directory: only now that the tokenizer and data files have been checked, so a run
+    # that fails those checks leaves nothing behind. Released after the last save (the stack closes in reverse).
+    if lock is not None:
+      guard = stack.enter_context(lock(config))
     checkpointer = stack.enter_context(make_checkpointer(config, mesh, model, tx, guard))
     state, shardings, start_step = initial_state(config, mesh, model, tx, checkpointer, batches)
     _log_memory(config, state)
+    if start_step >= config.steps:
+      _say(_nothing_to_do(config, start_step))
+      return []
     batch_sharding = sharding_lib.batch_sharding(mesh, config)
     step_fn = jit_train_step(config, shardings, batch_sharding, sharding_lib.replicated(mesh))
     evaluator = stack.enter_context(make_evaluator(config, mesh, shardings.params, batch_sharding))
     log = stack.enter_context(StepLog(config, guard))
     profiler = stack.enter_context(Profiler(config))
+    step = start_step
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
       state, metrics = step_fn(state, next(batches))
@@ -117,4 +131,31 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any) -> list[
         break  # preempted, and saved
       evaluator.maybe_eval(step, state, log)
     log.flush()
+  _say(_done(config, step, log.rows))  # after the stack: the last save is complete
   return log.rows
+
+
+def _say(line: str) -> None:
+  """A run's closing line, once per job: the last thing a user reads, so on stdout after the log."""
+  if jax.process_index() == 0:
+    print(line, flush=True)
+
+
+def _nothing_to_do(config: Config, step: int) -> str:
+  where = config.checkpoint_dir
+  # initial_state resumes the run's own checkpoint first; a step that is not there came from load_full_state_path.
+  if config.load_full_state_path and not storage.exists(storage.join(config.checkpoint_dir, str(step))):
+    where = config.load_full_state_path
+  return f"nothing to do: step {step} of {config.steps} already saved in {where} (raise steps to train further)"
+
+
+def _done(config: Config, step: int, rows: list[dict[str, Any]]) -> str:
+  stopped = "" if step == config.steps else f" of {config.steps} (preempted; start it again to continue)"
+  saved = (
+    f"saved to {storage.join(config.checkpoint_dir, str(step))}"
+    if config.enable_checkpointing  # the last step and a preempted one are always saved
+    else "not saved (enable_checkpointing=false)"
+  )
+  evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+  eval_loss = f", eval loss {evals[-1]:.4f}" if evals else ""
+  return f"done: step {step}{stopped}, {saved}{eval_loss}, metrics in {config.metrics_file}"
