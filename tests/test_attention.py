@@ -83,6 +83,23 @@ def test_splash_forward_and_gradients_equal_dot_product_on_packed_rows(heads, kv
   _assert_same(_loss_and_grads(splash, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
 
 
+@pytest.mark.parametrize("window", [1, 40, 128])
+def test_windowed_splash_equals_the_windowed_dot_product_mask(window):
+  """Gemma 3's local layers: the kernel's band (q - window < k <= q) is the dot-product path's mask, across blocks
+  (window 40 < the 128-token blocks, 128 = a block), and the soft cap is applied alike."""
+  config = make_config("model_name=tiny", f"max_target_length={SEQ}", "attention=splash")
+  q, k, v = _qkv(2, 4, 2, head_dim=16)
+  segments = _packed_segments(2)
+  splash = lambda q, k, v, s: splash_attention(q, k, v, s, config, interpret=True, window=window, cap=5.0)
+  reference = lambda q, k, v, s: dot_product_attention(q, k, v, attention_mask(s, window), cap=5.0)
+  _assert_same(_loss_and_grads(splash, q, k, v, segments), _loss_and_grads(reference, q, k, v, segments))
+  # The window is not the causal mask: without it the result differs.
+  causal = lambda q, k, v, s: dot_product_attention(q, k, v, attention_mask(s), cap=5.0)
+  assert not np.allclose(
+    _loss_and_grads(causal, q, k, v, segments)[0], _loss_and_grads(reference, q, k, v, segments)[0]
+  )
+
+
 @pytest.mark.parametrize(
   "mesh, kv_heads",
   [

@@ -13,16 +13,15 @@ import pytest
 from conftest import REPO, first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
+from MaxLite import builder
 from MaxLite.checkpoint.info import describe
 from MaxLite.checkpoint.manager import select_iterator_state, step_numbers
 from MaxLite.cli.errors import CheckpointError, ConfigError
 from MaxLite.data import input_pipeline
-from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.evaluation import evaluate
 from MaxLite.training.metrics import NonFiniteLossError
-from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_step import jit_eval_step
 from MaxLite.training.trainer import initial_state, train
 
@@ -125,12 +124,12 @@ def test_params_only_load_gives_source_eval_loss(tmp_path):
   config = make_config(*args, "run_name=ft", f"load_parameters_path={tmp_path}/src/checkpoints/4")
   mesh = create_mesh(config, first_devices(1))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    model, tx = Transformer(config), create_optimizer(config)
-    state, shardings, step = initial_state(config, mesh, model, tx, None, None)
+    pieces = builder.training(config, mesh)
+    state, step = initial_state(config, pieces)
     eval_fn = jit_eval_step(
       config,
-      Transformer(config).apply,
-      shardings.params,
+      pieces.model.apply,
+      pieces.shardings.params,
       sharding_lib.batch_sharding(mesh, config),
       sharding_lib.replicated(mesh),
     )

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import BASE_YML, first_devices, make_config
 
+from MaxLite import builder
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader
@@ -64,7 +65,7 @@ def maxlite_config(step_dir, *overrides):
 
 def maxlite_params(config, step_dir):
   device = jax.sharding.SingleDeviceSharding(first_devices(1)[0])
-  abstract = convert_hf._abstract_params(config)  # pylint: disable=protected-access
+  abstract = builder.abstract_parameters(config)
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
   return checkpointing.load_params(step_dir, target)
 

@@ -80,23 +80,18 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   import jax.numpy as jnp
   from flax.linen import partitioning as nn_partitioning
 
+  from MaxLite import builder
   from MaxLite.data import BATCH_KEYS
-  from MaxLite.layers.decoder import Transformer
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
-  from MaxLite.training.optimizer import create_optimizer
-  from MaxLite.training.train_state import abstract_state
-  from MaxLite.training.train_step import jit_train_step
 
   mesh = create_mesh(config, devices)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
-    model, tx = Transformer(config), create_optimizer(config)
-    abstract, _, shardings = abstract_state(model, tx, config, mesh)
-    shardings = sharding.with_host_offload(shardings, config)
-    step = jit_train_step(config, shardings, sharding.batch_sharding(mesh, config), sharding.replicated(mesh))
+    pieces = builder.training(config, mesh)
+    abstract, shardings = pieces.abstract, pieces.shardings
     ids = jax.ShapeDtypeStruct((config.global_batch_size_to_train_on, config.max_target_length), jnp.int32)
     batch = {k: ids for k in BATCH_KEYS}
-    lowered = step.lower(abstract, batch)
+    lowered = pieces.step.lower(abstract, batch)
   state_bytes = {
     "params": sharding.sharded_bytes(abstract.params, shardings.params),
     "optimizer": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state),

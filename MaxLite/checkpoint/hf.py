@@ -18,22 +18,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from MaxLite import builder, models, storage
 from MaxLite import config as config_lib
-from MaxLite import storage
 from MaxLite.checkpoint import STATE, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
-from MaxLite.checkpoint.hf_layout import (
-  global_tensors,
-  hf_config_from_model,
-  layer_tensors,
-  model_settings_from_hf,
-  part_slice,
-)
+from MaxLite.checkpoint.hf_layout import part_slice
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.cli.errors import InputError
 from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.layers.decoder import Transformer
-from MaxLite.parallel.sharding import unbox
 
 _REQUIRED = object()
 
@@ -64,7 +56,8 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   config_json = storage.join(hf_path, "config.json")
   if not storage.isfile(config_json):
     raise InputError(f"--hf_path={hf_path}: no config.json there")
-  settings = model_settings_from_hf(json.loads(storage.read_text(config_json)), config_json)
+  settings = _model_settings(json.loads(storage.read_text(config_json)), config_json)
+  family = models.family(settings["decoder_block"])
   reader = SafetensorsReader(hf_path)
   config = _load_config(argv, [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in settings.items()])
   explicit = dict(a.split("=", 1) for a in argv if "=" in a)
@@ -74,9 +67,9 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   dtype = np.dtype(config.weight_dtype)
   params: dict = {}
   n = config.base_num_decoder_layers
-  for t in global_tensors(config.logits_via_embedding):
+  for t in family.hf.global_tensors(config):
     _set(params, t.path, _converted(reader, t.hf_name, t.to_maxlite).astype(dtype))
-  for t in layer_tensors(config):
+  for t in family.hf.layer_tensors(config):
     for i in range(n):
       value = _read_layer_tensor(reader, t, i, config.num_experts)
       path = f"decoder/layers/{t.path}" if config.scan_layers else f"decoder/layers_{i}/{t.path}"
@@ -92,6 +85,17 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
       layer[part_slice(t.part) if t.part is not None else ...] = value
   _check_against_model(params, config)
   return _save(params, config, output_path)
+
+
+def _model_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  """config.json -> MaxLite model keys, decoder_block included, by the family that reads its architecture."""
+  architecture = (hf.get("architectures") or ["?"])[0]
+  family = models.family_for_architecture(architecture)
+  if family is None:
+    raise InputError(
+      f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(models.architectures())})"
+    )
+  return {"decoder_block": family.decoder_blocks[0], **family.hf.settings(hf, source)}
 
 
 def _read_layer_tensor(reader: SafetensorsReader, t: Any, layer: int, num_experts: int) -> np.ndarray:
@@ -114,16 +118,11 @@ def _converted(reader: SafetensorsReader, name: str, to_maxlite: Any) -> np.ndar
     ) from None
 
 
-def _abstract_params(config: Any) -> Any:
-  ids = jax.ShapeDtypeStruct((1, config.max_target_length), np.int32)
-  return unbox(jax.eval_shape(lambda: Transformer(config).lazy_init(jax.random.key(0), ids, ids, ids))["params"])
-
-
 def _check_against_model(params: dict, config: Any) -> None:
   """Every converted tensor has the shape the configured model expects (a config.json / weights mismatch)."""
   expected = {
     checkpointing.path_name(p): leaf.shape
-    for p, leaf in jax.tree_util.tree_flatten_with_path(_abstract_params(config))[0]
+    for p, leaf in jax.tree_util.tree_flatten_with_path(builder.abstract_parameters(config))[0]
   }
   got = {checkpointing.path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   for name, shape in expected.items():
@@ -171,7 +170,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
       f"tokenizer_path={config.tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
       f"{config.vocab_size}: pass the model's own tokenizer (tokenizer_type=... tokenizer_path=...)"
     )
-  abstract = _abstract_params(config)
+  abstract = builder.abstract_parameters(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
   params = jax.tree.map(np.asarray, checkpointing.load_params(checkpoint_path, target))
@@ -181,10 +180,11 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   def add(name: str, value: np.ndarray, to_hf_fn: Any) -> None:
     tensors.append((name, to_hf_fn(value).shape, dtype, lambda: to_hf_fn(value)))
 
-  for t in global_tensors(config.logits_via_embedding):
+  family = models.family(config.decoder_block)
+  for t in family.hf.global_tensors(config):
     add(t.hf_name, _get(params, t.path), t.to_hf)
   for i in range(config.base_num_decoder_layers):
-    for t in layer_tensors(config):
+    for t in family.hf.layer_tensors(config):
       stacked = config.scan_layers
       value = _get(params, f"decoder/layers/{t.path}")[i] if stacked else _get(params, f"decoder/layers_{i}/{t.path}")
       if t.part is not None:
@@ -196,7 +196,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
       else:
         add(name, value, t.to_hf)
   files = write_checkpoint(output_path, tensors)
-  hf_config = hf_config_from_model(config, **{name: i if i >= 0 else None for name, i in ids.items()})
+  hf_config = family.hf.config(config, **{name: i if i >= 0 else None for name, i in ids.items()})
   storage.write_text(storage.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
   return ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
 

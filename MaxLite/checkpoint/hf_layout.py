@@ -268,16 +268,29 @@ def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | N
   return out
 
 
-def layer_tensors(config: Any) -> list[Tensor]:
-  """The weights of one decoder layer."""
+def attention_tensors(config: Any) -> tuple[list[Tensor], Tensor]:
+  """([q, k, v projections], output projection) of transformers' self_attn, unfused and without biases."""
   e, h, kv, hd = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
   project = lambda n: (lambda w: w.T.reshape(e, n, hd), lambda k: k.reshape(e, n * hd).T)
-  bias = lambda n: (lambda b: b.reshape(n, hd), lambda b: b.reshape(n * hd))
   qkv = [
     Tensor("self_attention/query/kernel", "self_attn.q_proj.weight", *project(h)),
     Tensor("self_attention/key/kernel", "self_attn.k_proj.weight", *project(kv)),
     Tensor("self_attention/value/kernel", "self_attn.v_proj.weight", *project(kv)),
   ]
+  out = Tensor(
+    "self_attention/out/kernel",
+    "self_attn.o_proj.weight",
+    lambda w: w.T.reshape(h, hd, e),
+    lambda k: k.reshape(h * hd, e).T,
+  )
+  return qkv, out
+
+
+def layer_tensors(config: Any) -> list[Tensor]:
+  """The weights of one decoder layer."""
+  h, kv, hd = config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
+  bias = lambda n: (lambda b: b.reshape(n, hd), lambda b: b.reshape(n * hd))
+  qkv, out_proj = attention_tensors(config)
   qkv_bias = [
     Tensor("self_attention/query/bias", "self_attn.q_proj.bias", *bias(h)),
     Tensor("self_attention/key/bias", "self_attn.k_proj.bias", *bias(kv)),
@@ -288,12 +301,7 @@ def layer_tensors(config: Any) -> list[Tensor]:
     qkv_bias = _fused(qkv_bias, "self_attention/qkv_proj/bias", 0)
   out = [
     *qkv,
-    Tensor(
-      "self_attention/out/kernel",
-      "self_attn.o_proj.weight",
-      lambda w: w.T.reshape(h, hd, e),
-      lambda k: k.reshape(h * hd, e).T,
-    ),
+    out_proj,
     Tensor("pre_self_attention_norm/scale", "input_layernorm.weight", *_SAME),
     Tensor("post_self_attention_norm/scale", "post_attention_layernorm.weight", *_SAME),
   ]

@@ -31,7 +31,6 @@ FILE_TYPES = ("arrayrecord", "parquet", "jsonl")  # grain_file_type
 FILE_SUFFIXES = {"arrayrecord": ".array_record", "parquet": ".parquet", "jsonl": ".jsonl"}
 # The attention key's values; MaxText's spellings map onto MaxLite's (flash is its TPU splash kernel).
 ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax")
-DECODER_BLOCKS = ("llama2",)
 ROPE_TYPES = ("default", "llama3.1", "yarn")
 PROFILERS = ("", "xplane")
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from MaxLite import storage
+from MaxLite import models, storage
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import attention_choice, post_training
 from MaxLite.config.choices import (
@@ -19,7 +19,6 @@ from MaxLite.config.choices import (
   AXIS_KEY,
   DATASET_TYPES,
   DECODE_SAMPLING_STRATEGIES,
-  DECODER_BLOCKS,
   DTYPES,
   FILE_SUFFIXES,
   FILE_TYPES,
@@ -95,7 +94,7 @@ def _check_choices(c: dict[str, Any]) -> None:
     ("dataset_type", DATASET_TYPES),
     ("tokenizer_type", TOKENIZER_TYPES),
     ("grain_file_type", FILE_TYPES),
-    ("decoder_block", DECODER_BLOCKS),
+    ("decoder_block", models.decoder_blocks()),
     ("rope_type", ROPE_TYPES),
     ("profiler", PROFILERS),
     ("decode_sampling_strategy", DECODE_SAMPLING_STRATEGIES),
@@ -105,8 +104,11 @@ def _check_choices(c: dict[str, Any]) -> None:
   for name in REMAT_NAMES:
     if c[name] not in PLACEMENTS:
       raise ConfigError(f"{name}={c[name]!r} is not one of: {', '.join(repr(x) for x in PLACEMENTS)}")
-  if list(c["mlp_activations"]) != ["silu", "linear"]:
-    raise ConfigError(f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU)")
+  if list(c["mlp_activations"]) not in (["silu", "linear"], ["gelu", "linear"]):
+    raise ConfigError(
+      f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU) or "
+      "['gelu', 'linear'] (GeGLU)"
+    )
   for rule in c["logical_axis_rules"]:
     if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
       raise ConfigError(f"logical_axis_rules entry {rule!r} must be [logical_name, mesh_axis or list of mesh axes]")
@@ -270,6 +272,8 @@ def _check_megablox(c: dict[str, Any], platform: str) -> None:
 
 def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
   n = c["num_vocab_tiling"]
+  if n > 1 and c["final_logits_soft_cap"] > 0:
+    raise ConfigError(f"final_logits_soft_cap > 0 needs num_vocab_tiling=1, got {n} (the cap is on whole logits)")
   if n > 1 and c["max_target_length"] % (n * sequence_shards):
     raise ConfigError(
       f"num_vocab_tiling={n} must divide max_target_length={c['max_target_length']} / sequence parallelism "
@@ -287,7 +291,7 @@ def _vocab_slices(c: dict[str, Any], micro_batch: int, num_devices: int) -> int:
   """num_vocab_slices resolved; -1 = the fewest power-of-2 slices with at most AUTO_SLICE_LOGITS_BYTES of logits."""
   n, vocab = c["num_vocab_slices"], c["vocab_size"]
   if n == -1:
-    if c["num_vocab_tiling"] > 1 or c["use_dpo"]:
+    if c["num_vocab_tiling"] > 1 or c["use_dpo"] or c["final_logits_soft_cap"] > 0:
       return 1
     float32 = c["logits_dot_in_fp32"] or c["dtype"] == "float32"
     logits_bytes = micro_batch * c["max_target_length"] * vocab * (4 if float32 else 2) / num_devices
@@ -302,6 +306,8 @@ def _vocab_slices(c: dict[str, Any], micro_batch: int, num_devices: int) -> int:
       f"num_vocab_slices={n} and num_vocab_tiling={c['num_vocab_tiling']} split the logits two ways; "
       "set one of them to 1"
     )
+  if n > 1 and c["final_logits_soft_cap"] > 0:
+    raise ConfigError(f"final_logits_soft_cap > 0 needs num_vocab_slices=1 or -1, got {n} (the cap is on whole logits)")
   if n > 1 and c["use_dpo"]:
     raise ConfigError(f"use_dpo=true needs num_vocab_slices=1 or -1, got {n} (DPO sums log-probabilities per response)")
   return n
@@ -332,6 +338,7 @@ def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, bat
 
 
 def _check_model_features(c: dict[str, Any]) -> None:
+  models.family(c["decoder_block"]).check(c)
   if c["head_dim"] % 2:
     raise ConfigError(f"head_dim={c['head_dim']} must be even (RoPE rotates pairs of features)")
   if c["fused_qkv"] and c["base_num_kv_heads"] != c["base_num_query_heads"]:
@@ -364,15 +371,9 @@ def moe_mlp_dim(c: dict[str, Any]) -> int:
 
 
 def parameter_count(c: dict[str, Any]) -> int:
-  """Exact number of parameters of the decoder (tested against the real model and transformers' own)."""
-  emb, mlp, d = c["base_emb_dim"], c["base_mlp_dim"], c["head_dim"]
-  q, kv, vocab = c["base_num_query_heads"], c["base_num_kv_heads"], c["vocab_size"]
-  experts = c["num_experts"]
-  mlp_params = 3 * emb * mlp if experts == 1 else experts * 3 * emb * moe_mlp_dim(c) + emb * experts  # + router
-  attention = emb * d * (2 * q + 2 * kv) + c["attention_bias"] * d * (q + 2 * kv) + c["use_qk_norm"] * 2 * d
-  per_layer = attention + mlp_params + 2 * emb
-  head = 0 if c["logits_via_embedding"] else emb * vocab
-  return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
+  """Exact number of parameters of the decoder, counted by its family (tested against the real model and
+  transformers' own)."""
+  return models.family(c["decoder_block"]).parameter_count(c)
 
 
 def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> None:

@@ -16,16 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import partitioning as nn_partitioning
 
+from MaxLite import builder, storage
 from MaxLite import config as config_lib
-from MaxLite import storage
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
-from MaxLite.training.optimizer import create_optimizer
-from MaxLite.training.train_state import abstract_state, create_train_state
 
 PROMPT_SEPARATOR = " ||| "
 
@@ -107,7 +104,7 @@ def generate(
   for row, prompt in enumerate(prompts):
     ids[row, : len(prompt)] = prompt
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  model = Transformer(config, deterministic=True, decode=True)
+  model = builder.model(config, decode=True)
   prefill = jax.jit(functools.partial(_prefill, model=model))
   step = jax.jit(functools.partial(_step, model=model), donate_argnums=1)
   logits, cache = prefill(params, jnp.asarray(ids), lengths)
@@ -131,12 +128,11 @@ def generate(
 
 def load_params(config: Any, mesh: Any) -> Any:
   """The checkpoint's params placed by the logical rules, or a random init when no path is given."""
-  model, tx = Transformer(config), create_optimizer(config)
-  abstract, _, shardings = abstract_state(model, tx, config, mesh)
+  params = builder.parameters(config, mesh)
   if not config.load_parameters_path:
     print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
-    return create_train_state(model, tx, config, shardings).params
-  target = checkpointing.sharded_target(abstract.params, shardings.params)
+    return builder.random_parameters(config, params)
+  target = checkpointing.sharded_target(params.abstract, params.shardings)
   return checkpointing.load_params(config.load_parameters_path, target)
 
 

@@ -7,6 +7,8 @@ TPU flash kernel, layers/splash.py) and cudnn (jax.nn.dot_product_attention's cu
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from MaxLite.config import Config
 from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
-from MaxLite.layers.rope import apply_rope, rope_frequencies
+from MaxLite.layers.rope import apply_rope, default_frequencies, rope_frequencies
 from MaxLite.layers.splash import splash_attention
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
@@ -24,21 +26,31 @@ BATCH, LENGTH = "activation_batch", "activation_length"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully padded rows stay NaN-free
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-  """[batch, 1, 1, q, k] boolean: causal and within the same (non-padding) segment."""
+def attention_mask(segment_ids: jax.Array, window: int = 0, local: Any = True) -> jax.Array:
+  """[batch, 1, 1, q, k] boolean: causal and within the same (non-padding) segment; with a window > 0, where
+  `local` (a bool, traced under nn.scan) also only the `window` latest keys: q - window < k <= q."""
   seq = segment_ids.shape[-1]
   causal = jnp.tril(jnp.ones((seq, seq), dtype=jnp.bool_))
+  if window > 0:
+    in_window = jnp.triu(jnp.ones((seq, seq), dtype=jnp.bool_), -(window - 1))
+    causal = causal & (in_window | jnp.logical_not(local))
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
   return (causal[None] & same_segment)[:, None, None, :, :]
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; heads = kv_heads * groups. Softmax in float32."""
+def soft_cap(scores: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(scores / cap) (Gemma 2's logit soft-capping); cap <= 0 = none."""
+  return scores if cap <= 0 else jnp.tanh(scores / cap) * cap
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cap: float = 0.0) -> jax.Array:
+  """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; heads = kv_heads * groups. Softmax in float32, after the
+  scores' soft cap (cap > 0)."""
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, s, kv_heads, heads // kv_heads, d)
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask, scores, _MASK_VALUE)
+  scores = jnp.where(mask, soft_cap(scores, cap), _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
   return out.reshape(b, s, heads, d)
@@ -55,25 +67,36 @@ def cudnn_attention(
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation=implementation)
 
 
-def cached_attention_mask(positions: jax.Array, segment_ids: jax.Array, cached_segments: jax.Array) -> jax.Array:
+def cached_attention_mask(
+  positions: jax.Array, segment_ids: jax.Array, cached_segments: jax.Array, window: int = 0, local: Any = True
+) -> jax.Array:
   """[batch, 1, 1, q, cache_len]: queries at `positions` see cache slots at or before them that hold
-  a token of their own segment (a slot holds the token whose position equals its index)."""
+  a token of their own segment (a slot holds the token whose position equals its index); with a window, where
+  `local`, only the `window` latest."""
   slots = jnp.arange(cached_segments.shape[-1])
   visible = slots[None, None, :] <= positions[:, :, None]
+  if window > 0:
+    in_window = slots[None, None, :] > positions[:, :, None] - window
+    visible = visible & (in_window | jnp.logical_not(local))
   same_segment = cached_segments[:, None, :] == segment_ids[:, :, None]
   return (visible & same_segment)[:, None, None, :, :]
 
 
 class Attention(nn.Module):
   """decode=True keeps keys and values in a "cache" collection [batch, max_target_length, ...]:
-  each call writes its tokens at their positions and attends over everything cached so far."""
+  each call writes its tokens at their positions and attends over everything cached so far.
+
+  local (Gemma 3's layers; a bool, traced under nn.scan): this layer attends within sliding_window_size and turns
+  by local_rope_max_timescale; None = every layer is global."""
 
   config: Config
   decode: bool = False
+  qk_norm_offset: float = 0.0  # the q/k norms' weight convention (layers/norms.py; Gemma: 1)
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, local: Any = None) -> jax.Array:
     cfg = self.config
+    window = cfg.sliding_window_size if local is not None else 0
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     scale = cfg.dense_init_scale
 
@@ -89,27 +112,36 @@ class Attention(nn.Module):
       k = DenseGeneral((cfg.base_num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "kv"), name="key", **dense)(x)
       v = DenseGeneral((cfg.base_num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "kv"), name="value", **dense)(x)
     if cfg.use_qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
-      q = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="query_norm")(q)
-      k = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="key_norm")(k)
+      eps, offset = cfg.normalization_layer_epsilon, self.qk_norm_offset
+      q = RMSNorm(eps, dtype, wdtype, offset, name="query_norm")(q)
+      k = RMSNorm(eps, dtype, wdtype, offset, name="key_norm")(k)
     q = nn.with_logical_constraint(q, (BATCH, LENGTH, "activation_heads", "activation_kv"))
     k = nn.with_logical_constraint(k, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
     v = nn.with_logical_constraint(v, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
 
     frequencies, rope_scale = rope_frequencies(cfg)
+    if local is not None:  # a local layer turns by its own base, unscaled (Gemma 3)
+      theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
+      local_frequencies = default_frequencies(cfg.head_dim, theta)
+      frequencies = jnp.where(local, local_frequencies, frequencies)
+      rope_scale = jnp.where(local, 1.0, rope_scale) if rope_scale != 1.0 else rope_scale
     q = apply_rope(q, positions, frequencies, rope_scale)
     k = apply_rope(k, positions, frequencies, rope_scale)
     # Named as attention reads them (after norm, RoPE and scaling), so a saved q/k/v needs nothing recomputed.
-    q = checkpoint_name(q * jnp.asarray(cfg.head_dim**-0.5, q.dtype), "query_proj")
+    q = checkpoint_name(q * jnp.asarray(query_scale(cfg), q.dtype), "query_proj")
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+    cap = cfg.attn_logits_soft_cap
     if self.decode:
-      k, v, mask = self._update_cache(k, v, positions, segment_ids)
-      out = dot_product_attention(q, k, v, mask)
+      k, v, mask = self._update_cache(k, v, positions, segment_ids, window, local)
+      out = dot_product_attention(q, k, v, mask, cap)
     elif cfg.attention_kernel == "splash":
-      out = splash_attention(q, k, v, segment_ids, cfg, interpret=cfg.attention_interpret)
+      attend = lambda w: splash_attention(q, k, v, segment_ids, cfg, cfg.attention_interpret, window=w, cap=cap)
+      # Both kernels are compiled; the layer runs one (nn.scan traces a single layer for local and global ones).
+      out = jax.lax.cond(local, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     elif cfg.attention_kernel == "cudnn":
       out = cudnn_attention(q, k, v, segment_ids)
     else:
-      out = dot_product_attention(q, k, v, attention_mask(segment_ids))
+      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, local), cap)
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
     out = checkpoint_name(out, "context")
     out = DenseGeneral(
@@ -125,7 +157,9 @@ class Attention(nn.Module):
     # reduce-scattered shard, not the all-reduced whole.
     return checkpoint_name(nn.with_logical_constraint(out, EMBED_ACTIVATION), "out_proj")
 
-  def _update_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple:
+  def _update_cache(
+    self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array, window: int, local: Any
+  ) -> tuple:
     b, length = k.shape[0], self.config.max_target_length
     axes = (BATCH, None, "activation_kv_heads", "activation_kv")
     cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, length, *k.shape[2:]), k.dtype)
@@ -135,4 +169,10 @@ class Attention(nn.Module):
     cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, positions].set(k), axes)
     cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, positions].set(v), axes)
     cached_seg.value = cached_seg.value.at[rows, positions].set(segment_ids)
-    return cached_k.value, cached_v.value, cached_attention_mask(positions, segment_ids, cached_seg.value)
+    mask = cached_attention_mask(positions, segment_ids, cached_seg.value, window, local)
+    return cached_k.value, cached_v.value, mask
+
+
+def query_scale(cfg: Config) -> float:
+  """What q is multiplied by: head_dim**-0.5, or query_pre_attn_scalar**-0.5 where a model sets it (Gemma 3 27B)."""
+  return (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar > 0 else cfg.head_dim) ** -0.5

@@ -1,4 +1,4 @@
-"""Llama-family decoder: embedding -> N x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> logits."""
+"""The decoder: embedding -> N x the family's layer (models/, by decoder_block) -> RMSNorm -> logits."""
 
 from __future__ import annotations
 
@@ -7,45 +7,18 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
+from MaxLite import models
 from MaxLite.config import Config
-from MaxLite.layers.attention import Attention
+from MaxLite.layers.attention import soft_cap
 from MaxLite.layers.embeddings import Embed
 from MaxLite.layers.linears import DenseGeneral
-from MaxLite.layers.mlp import MlpBlock
-from MaxLite.layers.moe import MoeBlock, load_balance_loss
+from MaxLite.layers.moe import load_balance_loss
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.pipeline import run_pipeline
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.remat import remat_policy
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
-
-
-class DecoderLayer(nn.Module):
-  config: Config
-  deterministic: bool = True
-  decode: bool = False
-
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
-    """Returns (x, aux): aux is the MoE routing statistics of this layer, None for a dense layer."""
-    cfg = self.config
-    norm = dict(
-      epsilon=cfg.normalization_layer_epsilon, dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype)
-    )
-    x = checkpoint_name(nn.with_logical_constraint(x, EMBED_ACTIVATION), "decoder_layer_input")
-    h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
-    h = Attention(cfg, self.decode, name="self_attention")(h, positions, segment_ids)
-    x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
-    post_norm = RMSNorm(name="post_self_attention_norm", **norm)
-    aux = None
-    if cfg.num_experts > 1:
-      h, aux = MoeBlock(cfg, name="moe")(post_norm(x), segment_ids != 0)
-    else:
-      h = MlpBlock(cfg, norm=post_norm, name="mlp")(x)
-    x = x + nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
-    return nn.with_logical_constraint(x, EMBED_ACTIVATION), aux
 
 
 class Decoder(nn.Module):
@@ -62,25 +35,26 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
-    layer = DecoderLayer
+    layer = models.family(cfg.decoder_block).layer
     if cfg.remat_policy != "none" and not self.decode:  # decoding keeps no activations for a backward pass
       layer = nn.remat(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
       auxes = []
       for i in range(cfg.base_num_decoder_layers):
-        x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, positions, segment_ids)
+        x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, positions, segment_ids, i)
         auxes.append(aux)
       return x, summarize_routing(jax.tree.map(lambda *a: jnp.stack(a), *auxes))
     stack = nn.scan(
       layer,
       variable_axes={"params": 0, "cache": 0},
       split_rngs={"params": True, "dropout": True},
-      in_axes=(nn.broadcast, nn.broadcast),
+      in_axes=(nn.broadcast, nn.broadcast, 0),
       length=cfg.base_num_decoder_layers,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     if cfg.num_pipeline_stages == 1 or self.is_initializing() or self.decode:
-      x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, positions, segment_ids)
+      depth = jnp.arange(cfg.base_num_decoder_layers)
+      x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, positions, segment_ids, depth)
       return x, summarize_routing(aux)
     return self._pipeline(x, positions, segment_ids)
 
@@ -89,8 +63,10 @@ class Decoder(nn.Module):
 
     # The parameters were created by the scanned stack above (so checkpoints are layout-independent);
     # here each layer is applied functionally to its slice of them.
-    def layer_fn(params, h, pos, seg, rng):
-      return DecoderLayer(cfg, self.deterministic).apply({"params": params}, h, pos, seg, rngs={"dropout": rng})
+    layer = models.family(cfg.decoder_block).layer
+
+    def layer_fn(params, h, pos, seg, depth, rng):
+      return layer(cfg, self.deterministic).apply({"params": params}, h, pos, seg, depth, rngs={"dropout": rng})
 
     if cfg.remat_policy != "none":
       layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg))
@@ -139,11 +115,15 @@ class Transformer(nn.Module):
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
-    x = nn.with_logical_constraint(embed(ids), EMBED_ACTIVATION)
+    x = embed(ids)
+    if models.family(cfg.decoder_block).scale_embeddings:  # Gemma: sqrt(width), rounded to the activation dtype
+      x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
+    x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
     x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, positions, segment_ids)
     if moe_aux is not None:
       self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
-    x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name="decoder_norm")(x)
+    offset = models.family(cfg.decoder_block).norm_scale_offset
+    x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, offset, name="decoder_norm")(x)
     if cfg.logits_via_embedding:
       if return_hidden:
         return x, self._head(embed.embedding.T)
@@ -161,6 +141,7 @@ class Transformer(nn.Module):
       if return_hidden and not self.is_initializing():
         return x, self._head(self.variables["params"]["logits_dense"]["kernel"])  # the weight `dense` applies
       logits = dense(x)
+    logits = soft_cap(logits, cfg.final_logits_soft_cap)
     return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
   def _head(self, weight: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward block (Shazeer 2020), as in Llama, optionally a part of the tokens at a time.
+"""Gated feed-forward block, SwiGLU (Shazeer 2020) as in Llama or GeGLU as in Gemma, optionally a part of the
+tokens at a time.
 
 The MLP is the only part of a layer that works on each token alone, and its [tokens, mlp] activations (gate, up,
 their product and the gradients of all three) are the largest buffers of a layer's backward pass. With
@@ -19,6 +20,7 @@ per device are larger than its MLP weights (llama2-7b at 16k tokens per device: 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -36,6 +38,11 @@ HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
 # A part's tokens grouped by the shard that holds them: [batch shards, batch / shards, sequence shards, tokens, ...].
 GROUPED = ("activation_batch", None, "activation_length", None)
 SHARD_COPIES = ("activation_batch", "activation_length")  # the leading dims of the per-shard weight copies
+
+
+def gate_activation(cfg: Config) -> Any:
+  """mlp_activations[0]: silu (SwiGLU) or gelu, tanh-approximated (GeGLU: Gemma's gelu_pytorch_tanh)."""
+  return nn.silu if cfg.mlp_activations[0] == "silu" else functools.partial(nn.gelu, approximate=True)
 
 
 class MlpBlock(nn.Module):
@@ -66,7 +73,7 @@ class MlpBlock(nn.Module):
     parts = jnp.moveaxis(nn.with_logical_constraint(parts, (*GROUPED, None, "activation_embed")), 3, 0)
     weights = self._weights_per_shard(batch_shards, seq_shards)
     epsilon = self.norm.epsilon if self.norm is not None else None
-    swiglu = functools.partial(_swiglu_part, fused=cfg.fused_mlp, epsilon=epsilon)
+    swiglu = functools.partial(_swiglu_part, fused=cfg.fused_mlp, epsilon=epsilon, act=gate_activation(cfg))
     one_part = jax.checkpoint(swiglu, policy=remat_policy(cfg), prevent_cse=False)
 
     def step(carry: None, part: jax.Array) -> tuple[None, jax.Array]:
@@ -99,13 +106,15 @@ class MlpBlock(nn.Module):
     else:
       gate = checkpoint_name(nn.with_logical_constraint(self.wi_0(x), HIDDEN), "mlpwi_0")
       up = checkpoint_name(nn.with_logical_constraint(self.wi_1(x), HIDDEN), "mlpwi_1")
-    hidden = nn.with_logical_constraint(nn.silu(gate) * up, HIDDEN)
+    hidden = nn.with_logical_constraint(gate_activation(self.config)(gate) * up, HIDDEN)
     # Constrained before it is named, so a saved copy is the shard activation_embed gives it (see attention.py).
     out = nn.with_logical_constraint(self.wo(hidden), EMBED_ACTIVATION)
     return checkpoint_name(out, "mlpwo")
 
 
-def _swiglu_part(weights: dict[str, jax.Array], x: jax.Array, fused: bool, epsilon: float | None) -> jax.Array:
+def _swiglu_part(
+  weights: dict[str, jax.Array], x: jax.Array, fused: bool, epsilon: float | None, act: Any
+) -> jax.Array:
   """MlpBlock.swiglu on one part, x: [batch shards, batch / shards, sequence shards, c, embed], with the per-shard
   weight copies: every contraction is within a shard, so nothing here moves between devices but x's embed."""
   dtype = weights["wo"].dtype
@@ -122,7 +131,7 @@ def _swiglu_part(weights: dict[str, jax.Array], x: jax.Array, fused: bool, epsil
     gate = checkpoint_name(nn.with_logical_constraint(gate, hidden_axes), "mlpwi_0")
     up = jnp.einsum("gbsce,gsem->gbscm", x, weights["wi_1"])
     up = checkpoint_name(nn.with_logical_constraint(up, hidden_axes), "mlpwi_1")
-  hidden = nn.with_logical_constraint(nn.silu(gate) * up, hidden_axes)
+  hidden = nn.with_logical_constraint(act(gate) * up, hidden_axes)
   out = nn.with_logical_constraint(
     jnp.einsum("gbscm,gsme->gbsce", hidden, weights["wo"]), (*GROUPED, "activation_embed")
   )

@@ -18,13 +18,18 @@ def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, dtype: DType) -> ja
 
 
 class RMSNorm(nn.Module):
+  """scale_offset=1: the weight is stored as scale - 1 and starts at 0 (Gemma's convention, kept so its checkpoints
+  convert without arithmetic: 1 + w is computed in float32, as transformers does)."""
+
   epsilon: float = 1e-5
   dtype: DType = jnp.float32
   weight_dtype: DType = jnp.float32
+  scale_offset: float = 0.0
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param(
-      "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.weight_dtype
-    )
+    init = nn.initializers.zeros if self.scale_offset else nn.initializers.ones
+    scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (x.shape[-1],), self.weight_dtype)
+    if self.scale_offset:
+      scale = jnp.asarray(scale, jnp.float32) + jnp.float32(self.scale_offset)
     return rms_norm(x, scale, self.epsilon, self.dtype)

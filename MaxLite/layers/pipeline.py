@@ -23,7 +23,7 @@ from MaxLite.parallel.sharding import EMBED_ACTIVATION
 STATE_ACTIVATION = ("activation_stage", *EMBED_ACTIVATION)
 STATE_IDS = ("activation_stage", "activation_batch", "activation_length")
 
-# layer_fn(params of one layer, x, positions, segment_ids, rng) -> (x, aux or None)
+# layer_fn(params of one layer, x, positions, segment_ids, layer depth, rng) -> (x, aux or None)
 LayerFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
@@ -67,7 +67,7 @@ def run_pipeline(
     def one_layer(carry, layer):
       p, j = layer
       layer_rng = jax.random.fold_in(jax.random.fold_in(rng, stage * per_stage + j), micro)
-      return layer_fn(p, carry, pos, seg, layer_rng)
+      return layer_fn(p, carry, pos, seg, stage * per_stage + j, layer_rng)
 
     return jax.lax.scan(one_layer, h, (stage_params, jnp.arange(per_stage)))
 

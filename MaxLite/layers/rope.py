@@ -83,10 +83,12 @@ def rope_frequencies(c: Any) -> tuple[np.ndarray, float]:
       c.beta_slow,
       c.rope_truncate,
     )
+  if c.rope_linear_scaling_factor != 1.0:  # positions divided by the factor (transformers' rope_type linear)
+    freq = freq / np.float32(c.rope_linear_scaling_factor)
   return np.asarray(freq, np.float32), float(scale)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, frequencies: np.ndarray, scale: float = 1.0) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, frequencies: Any, scale: Any = 1.0) -> jax.Array:
   """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq].
 
   Uses the "rotate half" layout (first half of head_dim paired with the second half), which is
@@ -95,8 +97,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, frequencies: np.ndarray, scal
   half = x.shape[-1] // 2
   angle = positions[..., None].astype(jnp.float32) * jnp.asarray(frequencies, jnp.float32)  # [b, s, half]
   sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-  if scale != 1.0:
-    sin, cos = sin * jnp.float32(scale), cos * jnp.float32(scale)
+  if not isinstance(scale, float) or scale != 1.0:  # a traced scale (Gemma 3's local layers) is applied as well
+    sin, cos = sin * jnp.asarray(scale, jnp.float32), cos * jnp.asarray(scale, jnp.float32)
   x32 = x.astype(jnp.float32)
   x1, x2 = x32[..., :half], x32[..., half:]
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -48,9 +48,18 @@ def _shards(mesh: jax.sharding.AbstractMesh, axes: str | tuple[str, ...] | None)
 
 
 def splash_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, config: Config, interpret: bool
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  config: Config,
+  interpret: bool,
+  window: int = 0,
+  cap: float = 0.0,
 ) -> jax.Array:
-  """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled."""
+  """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled.
+  window > 0: each query sees its `window` latest keys only (the kernel skips the blocks outside the band);
+  cap > 0: the scores are soft-capped."""
   mesh = jax.sharding.get_abstract_mesh()
   on_mesh = mesh is not None and not mesh.empty
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel wants [heads, seq, d] per example
@@ -62,9 +71,14 @@ def splash_attention(
     )
   head_shards, seq_shards = (_shards(mesh, head_axes), _shards(mesh, seq_axes)) if on_mesh else (1, 1)
 
-  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq, seq)) for _ in range(heads)])
+  if window > 0:
+    one_head = mask_lib.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
+  else:
+    one_head = mask_lib.CausalMask((seq, seq))
+  mask = mask_lib.MultiHeadMask([one_head for _ in range(heads)])
   kernel = kernel_lib.make_splash_mha(
     mask,
+    attn_logits_soft_cap=cap if cap > 0 else None,
     block_sizes=block_sizes(config, seq // seq_shards, seq),
     head_shards=head_shards,
     q_seq_shards=seq_shards,

@@ -19,7 +19,6 @@ from MaxLite.config import Config
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.training.metrics import NonFiniteLossError, StepLog
 from MaxLite.training.preemption import PreemptionWatcher
-from MaxLite.training.train_state import abstract_state
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -117,11 +116,12 @@ class Checkpointer:
     self._saves.close(raise_errors=exc_type is None)
 
 
-def make_checkpointer(config: Config, mesh: jax.sharding.Mesh, model: Any, tx: Any, guard: Any = None) -> Any:
-  """The run's Checkpointer (orbax or emergency), or a NoCheckpointer when checkpointing is off."""
+def make_checkpointer(config: Config, mesh: jax.sharding.Mesh, pieces: Any, guard: Any = None) -> Any:
+  """The run's Checkpointer (orbax or emergency), or a NoCheckpointer when checkpointing is off. `pieces` is
+  builder.training's."""
   if config.enable_emergency_checkpoint:
-    abstract, _, shardings = abstract_state(model, tx, config, mesh)
-    manager = EmergencyCheckpoints(config, mesh, checkpointing.sharded_target(abstract, shardings))
+    target = checkpointing.sharded_target(pieces.abstract, pieces.device_shardings)
+    manager = EmergencyCheckpoints(config, mesh, target)
   else:
     manager = checkpointing.create_manager(config)
   return NoCheckpointer() if manager is None else Checkpointer(config, mesh, manager, guard)

@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from MaxLite import builder
 from MaxLite.config import Config
-from MaxLite.layers.decoder import Transformer
 from MaxLite.training import loss
 
 # TRL's names for the implicit-reward metrics (each a sum over pairs in dpo_sums; a mean per pair when logged).
@@ -51,7 +51,7 @@ def response_log_probs(token_log_probs: jax.Array, target_segments: jax.Array) -
 def reference_log_probs(reference: Any, batch: dict[str, jax.Array], config: Config) -> tuple[jax.Array, jax.Array]:
   """(chosen, rejected), each [batch, pairs]: the frozen reference's summed log-probabilities of each pair's
   responses, from its own deterministic forward pass (no dropout, no gradient)."""
-  logits = Transformer(config, deterministic=True).apply(
+  logits = builder.model(config).apply(
     {"params": jax.lax.stop_gradient(reference)},
     batch["inputs"],
     batch["inputs_position"],

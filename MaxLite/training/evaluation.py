@@ -10,9 +10,9 @@ from typing import Any
 
 import jax
 
+from MaxLite import builder
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
-from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.training.dpo import REWARD_METRICS
 from MaxLite.training.metrics import StepLog
@@ -67,7 +67,7 @@ class Evaluator:
   def __init__(self, config: Config, mesh: jax.sharding.Mesh, param_shardings: Any, batch_sharding: Any):
     self._config, self._mesh = config, mesh
     self._eval_fn = jit_eval_step(
-      config, Transformer(config).apply, param_shardings, batch_sharding, sharding_lib.replicated(mesh)
+      config, builder.model(config).apply, param_shardings, batch_sharding, sharding_lib.replicated(mesh)
     )
     self._batches = input_pipeline.make_iterator(config, mesh, "eval")
 

@@ -13,7 +13,16 @@ from MaxLite.config import Config
 
 
 def training_flops_per_step(config: Config) -> dict[str, float]:
-  """FLOPs of one optimizer step over the whole global batch, split by where they are spent."""
+  """FLOPs of one optimizer step over the whole global batch, split by where they are spent: {weights, attention,
+  total, experts}, counted by the config's decoder family."""
+  from MaxLite import models  # the families import this module for decoder_flops
+
+  return models.family(config.decoder_block).training_flops(config)
+
+
+def decoder_flops(config: Config, attended_keys: float | None = None) -> dict[str, float]:
+  """A Llama-shaped decoder's training FLOPs. attended_keys: the keys a query attends to, averaged over the
+  sequence and the layers (causal: max_target_length / 2)."""
   tokens = config.global_batch_size_to_train_on * config.max_target_length
   seq = config.max_target_length
   emb, mlp, d = config.base_emb_dim, config.base_mlp_dim, config.head_dim
@@ -27,8 +36,9 @@ def training_flops_per_step(config: Config) -> dict[str, float]:
     mlp_flops = expert_flops + 2 * tokens * emb * config.num_experts
   qkv_flops = 2 * tokens * emb * d * (q + 2 * kv)
   out_flops = 2 * tokens * q * d * emb
-  # QK^T and PV: 2 matmuls of 2*seq*d FLOPs per token per head, halved for the causal mask.
-  attention_flops = 2 * 2 * tokens * seq * q * d / 2
+  # QK^T and PV: 2 matmuls of 2*keys*d FLOPs per token per head; a causal query sees half the sequence on average.
+  keys = seq / 2 if attended_keys is None else attended_keys
+  attention_flops = 2 * 2 * tokens * keys * q * d
   logits_flops = 2 * tokens * emb * config.vocab_size
   weights = 3 * (layers * (mlp_flops + qkv_flops + out_flops) + logits_flops)
   attention = 3 * layers * attention_flops

@@ -16,26 +16,22 @@ import jax
 from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import storage
+from MaxLite import builder, storage
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
-from MaxLite.layers.decoder import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
 from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer
 from MaxLite.training.evaluation import make_evaluator
 from MaxLite.training.metrics import StepLog
-from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.profiler import Profiler
 from MaxLite.training.train_state import (
-  abstract_state,
   bytes_per_device,
   create_train_state,
   reference_from_params,
   state_from_params,
 )
-from MaxLite.training.train_step import jit_train_step
 
 
 def train(
@@ -54,30 +50,29 @@ def train(
 
 
 def initial_state(
-  config: Config, mesh: jax.sharding.Mesh, model: Any, tx: Any, checkpointer: Any = None, batches: Any = None
-) -> tuple[Any, Any, int]:
-  """(state, its shardings, step): the run's own latest checkpoint if any (auto-resume), else
-  load_full_state_path, else a fresh init (with load_parameters_path's params if set)."""
-  abstract, _, shardings = abstract_state(model, tx, config, mesh)
-  shardings = sharding_lib.with_host_offload(shardings, config)
-  target = checkpointing.sharded_target(abstract, shardings)
+  config: Config, pieces: builder.Training, checkpointer: Any = None, batches: Any = None
+) -> tuple[Any, int]:
+  """(state, step): the run's own latest checkpoint if any (auto-resume), else load_full_state_path, else a fresh
+  init (with load_parameters_path's params if set)."""
+  model, tx, shardings = pieces.model, pieces.tx, pieces.shardings
+  target = checkpointing.sharded_target(pieces.abstract, shardings)
   resumed = (checkpointer or NoCheckpointer()).restore_newest(target, batches)
   if resumed is not None:
     state, step = resumed
     logging.info("resumed from checkpoint at step %d in %s", step, config.checkpoint_dir)
-    return state, shardings, step
+    return state, step
   if config.load_full_state_path:
     state = checkpointing.load_full_state(config.load_full_state_path, target)
     if config.use_dpo and state.reference is None:
       state = reference_from_params(state, shardings)
       logging.info("the loaded state has no DPO reference: its parameters are the frozen reference")
     logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
-    return state, shardings, int(state.step)
+    return state, int(state.step)
   if config.load_parameters_path:
     params = checkpointing.load_params(config.load_parameters_path, target.params)
     logging.info("loaded parameters from %s (fresh optimizer, step 0)", config.load_parameters_path)
-    return state_from_params(model, tx, config, params, shardings), shardings, 0
-  return create_train_state(model, tx, config, shardings), shardings, 0
+    return state_from_params(model, tx, config, params, shardings), 0
+  return create_train_state(model, tx, config, shardings), 0
 
 
 def _log_memory(config: Config, state: Any) -> None:
@@ -93,38 +88,35 @@ def _log_memory(config: Config, state: Any) -> None:
   )
 
 
-def _print_sharding_report(config: Config, mesh: jax.sharding.Mesh, model: Any, tx: Any) -> None:
-  abstract, logical, shardings = abstract_state(model, tx, config, mesh)
-  print(sharding_lib.sharding_report(abstract.params, logical.params, shardings.params), flush=True)
+def _print_sharding_report(pieces: builder.Training) -> None:
+  params = pieces.abstract.params
+  print(sharding_lib.sharding_report(params, pieces.logical.params, pieces.device_shardings.params), flush=True)
 
 
 def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: Any) -> list[dict[str, Any]]:
   input_pipeline.check_tokenizer(config)
-  model = Transformer(config, deterministic=config.dropout_rate == 0.0)
-  tx = create_optimizer(config)
+  pieces = builder.training(config, mesh)
   if config.debug_sharding and jax.process_index() == 0:
-    _print_sharding_report(config, mesh, model, tx)
+    _print_sharding_report(pieces)
   with contextlib.ExitStack() as stack:  # closed in reverse: the last save is waited for before the input stops
     batches = stack.enter_context(contextlib.closing(input_pipeline.make_iterator(config, mesh, "train")))
     # The lock makes the run directory: only now that the tokenizer and data files have been checked, so a run
     # that fails those checks leaves nothing behind. Released after the last save (the stack closes in reverse).
     if lock is not None:
       guard = stack.enter_context(lock(config))
-    checkpointer = stack.enter_context(make_checkpointer(config, mesh, model, tx, guard))
-    state, shardings, start_step = initial_state(config, mesh, model, tx, checkpointer, batches)
+    checkpointer = stack.enter_context(make_checkpointer(config, mesh, pieces, guard))
+    state, start_step = initial_state(config, pieces, checkpointer, batches)
     _log_memory(config, state)
     if start_step >= config.steps:
       _say(_nothing_to_do(config, start_step))
       return []
-    batch_sharding = sharding_lib.batch_sharding(mesh, config)
-    step_fn = jit_train_step(config, shardings, batch_sharding, sharding_lib.replicated(mesh))
-    evaluator = stack.enter_context(make_evaluator(config, mesh, shardings.params, batch_sharding))
+    evaluator = stack.enter_context(make_evaluator(config, mesh, pieces.shardings.params, pieces.batch_sharding))
     log = stack.enter_context(StepLog(config, guard))
     profiler = stack.enter_context(Profiler(config))
     step = start_step
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
-      state, metrics = step_fn(state, next(batches))
+      state, metrics = pieces.step(state, next(batches))
       checkpointer.check()  # a background save that failed stops the run now, naming its step
       log.record(step, metrics)
       if checkpointer.maybe_save(step, state, batches, log):

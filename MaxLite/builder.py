@@ -1,0 +1,102 @@
+"""The one place a run's pieces are built from its config and mesh: the model, and for training the optimizer, the
+abstract state, its shardings and the jitted step. Training, AOT compilation, evaluation, DPO's reference pass,
+decoding and the Hugging Face converter all come here, so AOT compiles exactly the step that trains and decoding
+never builds an optimizer.
+
+The model is `layers.decoder.Transformer`, whose layers come from the decoder family registered for
+`config.decoder_block` (models/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from MaxLite.config import Config
+from MaxLite.layers.decoder import Transformer
+from MaxLite.parallel import sharding as sharding_lib
+
+
+def model(config: Config, *, deterministic: bool = True, decode: bool = False) -> Transformer:
+  """The configured decoder. deterministic=False applies dropout (training with dropout_rate > 0); decode=True keeps
+  a KV cache (apply with mutable=["cache"])."""
+  return Transformer(config, deterministic=deterministic, decode=decode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameters:
+  """The parameters alone, for runs that only apply the model (decoding, conversion): shapes, their logical axes and
+  where each lives on the mesh."""
+
+  model: Transformer
+  abstract: Any
+  logical: Any
+  shardings: Any
+
+
+def _variables(model_: Transformer, config: Config, rng: jax.Array) -> Any:
+  # lazy_init traces shapes only and keeps just the parameter computations: no forward pass is compiled.
+  ids = jax.ShapeDtypeStruct((config.micro_batch_size, config.max_target_length), jnp.int32)
+  return model_.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)["params"]
+
+
+def _boxed_parameters(model_: Transformer, config: Config) -> Any:
+  # The key is made inside eval_shape: nothing runs on a device, so this works for an AOT target too.
+  return jax.eval_shape(lambda: _variables(model_, config, jax.random.key(config.init_weights_seed)))
+
+
+def abstract_parameters(config: Config) -> Any:
+  """The parameters' shapes and dtypes, without a mesh."""
+  return sharding_lib.unbox(_boxed_parameters(model(config), config))
+
+
+def parameters(config: Config, mesh: Mesh) -> Parameters:
+  model_ = model(config)
+  boxed = _boxed_parameters(model_, config)
+  logical = nn.get_partition_spec(boxed)
+  return Parameters(model_, sharding_lib.unbox(boxed), logical, sharding_lib.logical_to_sharding(logical, mesh, config))
+
+
+def random_parameters(config: Config, params: Parameters) -> Any:
+  """Freshly initialised parameters (init_weights_seed), made sharded inside jit: the same values a training run's
+  step 0 has."""
+  init = jax.jit(functools.partial(_variables, params.model, config), out_shardings=params.shardings)
+  return sharding_lib.unbox(init(jax.random.key(config.init_weights_seed)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+  """Everything a training step needs besides its data. `shardings` place the state between steps (host offload
+  included); `device_shardings` are the same on the device alone."""
+
+  model: Transformer
+  tx: Any
+  abstract: Any
+  logical: Any
+  device_shardings: Any
+  shardings: Any
+  batch_sharding: Any
+  step: Any
+
+
+def training(config: Config, mesh: Mesh) -> Training:
+  """The run's model, optimizer, abstract train state and the jitted train step (compiled at its first call, or
+  lowered by train_compile.py)."""
+  # Imported here: decoding and conversion build parameters alone and never load the optimizer's modules.
+  from MaxLite.training.optimizer import create_optimizer
+  from MaxLite.training.train_state import abstract_state
+  from MaxLite.training.train_step import jit_train_step
+
+  model_ = model(config, deterministic=config.dropout_rate == 0.0)
+  tx = create_optimizer(config)
+  abstract, logical, device_shardings = abstract_state(model_, tx, config, mesh)
+  shardings = sharding_lib.with_host_offload(device_shardings, config)
+  batch_sharding = sharding_lib.batch_sharding(mesh, config)
+  step = jit_train_step(config, shardings, batch_sharding, sharding_lib.replicated(mesh))
+  return Training(model_, tx, abstract, logical, device_shardings, shardings, batch_sharding, step)

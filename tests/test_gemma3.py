@@ -1,0 +1,194 @@
+"""Gemma 3 (decoder_block=gemma3): transformers' Gemma3ForCausalLM converted gives its logits and greedy tokens and
+exports back bit for bit; the published configs' parameter counts equal transformers'; the sliding window is what
+the local layers see; every parallelism layout trains like one device."""
+
+import numpy as np
+import pytest
+from conftest import make_config
+from test_hf_interop import maxlite_config, maxlite_logits, maxlite_params, token_ids
+from test_parallelism import _losses, _run
+
+from MaxLite.checkpoint import hf as convert_hf
+from MaxLite.cli.errors import ConfigError
+from MaxLite.decode import generate
+from MaxLite.training.flops import training_flops_per_step
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY_HF = dict(
+  vocab_size=384,
+  hidden_size=64,
+  intermediate_size=160,
+  num_hidden_layers=7,  # layers 0-4 and 6 local, 5 global
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  max_position_embeddings=128,
+  sliding_window=5,  # shorter than the test's 24 tokens: the window decides the local layers' output
+)
+
+
+def hf_gemma3(tmp_path, name="gemma3", **overrides):
+  config = transformers.Gemma3TextConfig(**{**TINY_HF, **overrides})
+  config._attn_implementation = "eager"
+  torch.manual_seed(0)
+  model = transformers.Gemma3ForCausalLM(config).eval()
+  with torch.no_grad():  # norms away from their zero init (applied as 1 + w): a swapped norm cannot pass
+    for param_name, param in model.named_parameters():
+      if "norm" in param_name:
+        param.add_(0.3 * torch.randn_like(param))
+  path = str(tmp_path / name)
+  model.save_pretrained(path)
+  return model, path
+
+
+VARIANTS = {
+  "4b_like": dict(rope_scaling={"rope_type": "linear", "factor": 8.0}),  # 4b/12b: query_pre_attn_scalar = head_dim
+  "27b_like": dict(query_pre_attn_scalar=20, rope_local_base_freq=500.0, rope_theta=12345.0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", ["true", "false"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_converted_gemma3_matches_transformers_and_exports_back_exactly(tmp_path, variant, scan_layers):
+  model, path = hf_gemma3(tmp_path, **VARIANTS[variant])
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [f"scan_layers={scan_layers}"])
+  config = maxlite_config(step_dir)
+  assert config.decoder_block == "gemma3" and config.sliding_window_size == 5
+  params = maxlite_params(config, step_dir)
+  ids = token_ids(model.config.vocab_size)
+  with torch.no_grad():
+    expected = model(torch.tensor(ids)).logits.numpy()
+  diff = np.abs(maxlite_logits(config, params, ids) - expected).max()
+  print(f"gemma3 {variant}: max abs logit difference {diff:.2e}")
+  assert diff <= 2e-5
+
+  prompt = [3, 200, 17, 91, 5, 8, 40]
+  decoding = maxlite_config(step_dir, "max_prefill_predict_length=8", "max_decode_steps=14")
+  ours, _ = generate(decoding, params, [prompt], eos_id=None)
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None)
+  assert ours[0] == theirs[0, len(prompt) :].tolist()
+
+  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
+  assert type(reloaded) is type(model)
+  original = model.state_dict()
+  assert set(reloaded.state_dict()) == set(original)
+  for name, tensor in reloaded.state_dict().items():
+    assert torch.equal(tensor, original[name]), name
+  with torch.no_grad():
+    np.testing.assert_array_equal(reloaded(torch.tensor(ids)).logits.numpy(), expected)
+
+
+def test_the_window_decides_local_layers_only(tmp_path):
+  """Without the window (a window as long as the sequence) the logits change; the global layer alone does not
+  see the window: a model whose every layer were global would differ too."""
+  model, path = hf_gemma3(tmp_path)
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  config = maxlite_config(step_dir)
+  params = maxlite_params(config, step_dir)
+  ids = token_ids(model.config.vocab_size)
+  windowed = maxlite_logits(config, params, ids)
+  unwindowed = maxlite_logits(maxlite_config(step_dir, "sliding_window_size=64"), params, ids)
+  # The first 5 positions see the same keys either way; later ones do not.
+  np.testing.assert_allclose(windowed[:, :5], unwindowed[:, :5], rtol=1e-5, atol=1e-5)
+  assert np.abs(windowed[:, 5:] - unwindowed[:, 5:]).max() > 1e-3
+
+
+PUBLISHED = {  # transformers' count of the text model (tied embedding once), Gemma3TextConfig of each checkpoint
+  "gemma3-4b": 3_880_263_168,
+  "gemma3-12b": 11_766_034_176,
+  "gemma3-27b": 27_009_346_304,
+}
+
+
+@pytest.mark.parametrize("model_name", list(PUBLISHED))
+def test_gemma3_configs_have_transformers_parameter_count(model_name):
+  config = make_config(f"model_name={model_name}")
+  assert config.num_params == PUBLISHED[model_name]
+  hf = models_hf_config(config)
+  hf_config = transformers.AutoConfig.for_model(**hf)
+  with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+  assert type(model).__name__ == "Gemma3ForCausalLM"
+  assert sum(p.numel() for p in model.parameters()) == config.num_params
+
+
+def models_hf_config(config):
+  from MaxLite import models
+
+  return models.family(config.decoder_block).hf.config(config)
+
+
+def test_local_layers_cost_only_their_window():
+  long = make_config("model_name=tiny-gemma3", "max_target_length=256")
+  full = make_config("model_name=tiny-gemma3", "max_target_length=256", "sliding_window_size=256")
+  attention, full_attention = training_flops_per_step(long)["attention"], training_flops_per_step(full)["attention"]
+  # 5 local layers at 16 - 16^2/512 = 15.5 keys a query, 1 global at 128: (5 * 15.5 + 128) / 6 of 128.
+  assert attention / full_attention == pytest.approx((5 * 15.5 + 128) / 6 / 128)
+  assert training_flops_per_step(long)["weights"] == training_flops_per_step(full)["weights"]
+
+
+@pytest.mark.parametrize(
+  "overrides, fragment",
+  [
+    (("mlp_activations=[silu,linear]",), "decoder_block=gemma3 needs mlp_activations"),
+    (("sliding_window_size=0",), "sliding_window_size >= 1"),
+    (("num_experts=4",), "dense MLP"),
+    (("final_logits_soft_cap=30", "num_vocab_tiling=2"), "final_logits_soft_cap > 0 needs num_vocab_tiling=1"),
+    (("decoder_block=gemma4",), "decoder_block='gemma4' is not one of: 'gemma3', 'llama2', 'mistral'"),
+  ],
+)
+def test_bad_gemma3_settings_fail_with_one_line(overrides, fragment):
+  with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("(", r"\(")) as caught:
+    make_config("model_name=tiny-gemma3", *overrides)
+  assert "\n" not in str(caught.value)
+
+
+# The tiny Gemma 3 with 8 query and 8 kv heads, so that tensor=8 can split them; test_parallelism's short run.
+GEMMA = ("model_name=tiny-gemma3", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(tmp_path_factory):
+  return _losses(_run(tmp_path_factory.mktemp("gemma"), 1, *GEMMA, "per_device_batch_size=8"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    ("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"),
+    ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+  ],
+  ids=["tensor8", "sequence4_fsdp2", "stage2_fsdp4", "data2_fsdp2_tensor2"],
+)
+def test_gemma3_layouts_match_single_device(tmp_path, gemma_reference, mesh):
+  losses, grad_norms = _losses(_run(tmp_path, 8, *GEMMA, "per_device_batch_size=1", *mesh))
+  np.testing.assert_allclose(losses, gemma_reference[0], rtol=1e-5)
+  np.testing.assert_allclose(grad_norms, gemma_reference[1], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_splash_runs_the_local_kernel_in_local_layers_and_the_global_one_in_global_layers():
+  """The whole model with attention=splash (lax.cond between the windowed and the causal kernel per scanned layer)
+  gives the dot-product path's logits."""
+  import jax
+
+  from MaxLite import builder
+
+  common = ("model_name=tiny-gemma3", "max_target_length=128", "per_device_batch_size=1")
+  logits = {}
+  for kernel in ("dot_product", "splash"):
+    config = make_config(*common, f"attention={kernel}")
+    model = builder.model(config)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 128))
+    pos, seg = np.arange(128)[None], np.ones((1, 128), np.int32)
+    params = model.init(jax.random.key(0), ids, pos, seg)
+    logits[kernel] = np.asarray(jax.jit(model.apply)(params, ids, pos, seg))
+  np.testing.assert_allclose(logits["splash"], logits["dot_product"], atol=2e-5)
