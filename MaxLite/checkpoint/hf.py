@@ -69,22 +69,32 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   n = config.base_num_decoder_layers
   for t in family.hf.global_tensors(config):
     _set(params, t.path, _converted(reader, t.hf_name, t.to_maxlite).astype(dtype))
-  for t in family.hf.layer_tensors(config):
-    for i in range(n):
+  for i in range(n):
+    stack, j = _layer_slot(family, config, i)
+    for t in family.hf.layer_tensors(config, i):
       value = _read_layer_tensor(reader, t, i, config.num_experts)
-      path = f"decoder/layers/{t.path}" if config.scan_layers else f"decoder/layers_{i}/{t.path}"
+      path = f"decoder/{stack.name}/{t.path}" if config.scan_layers else f"decoder/{stack.name}_{j}/{t.path}"
       whole = _get(params, path, missing=None)
-      if whole is None:  # the first layer (or first part of a fused weight) gives the shape
+      if whole is None:  # the stack's first layer (or first part of a fused weight) gives the shape
         shape = value.shape
         if t.part is not None:
           axis, _, count = t.part
           shape = (*shape[:axis], count, *shape[axis:])
-        whole = np.empty((n, *shape) if config.scan_layers else shape, dtype)
+        whole = np.empty((stack.count, *shape) if config.scan_layers else shape, dtype)
         _set(params, path, whole)
-      layer = whole[i] if config.scan_layers else whole
+      layer = whole[j] if config.scan_layers else whole
       layer[part_slice(t.part) if t.part is not None else ...] = value
   _check_against_model(params, config)
   return _save(params, config, output_path)
+
+
+def _layer_slot(family: models.Family, config: Any, layer: int) -> tuple[models.Stack, int]:
+  """The stack (decoder/<name>) that holds a layer, and the layer's index in it."""
+  for stack in family.stacks(config):
+    if layer < stack.count:
+      return stack, layer
+    layer -= stack.count
+  raise IndexError(layer)
 
 
 def _model_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -184,9 +194,12 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   for t in family.hf.global_tensors(config):
     add(t.hf_name, _get(params, t.path), t.to_hf)
   for i in range(config.base_num_decoder_layers):
-    for t in family.hf.layer_tensors(config):
-      stacked = config.scan_layers
-      value = _get(params, f"decoder/layers/{t.path}")[i] if stacked else _get(params, f"decoder/layers_{i}/{t.path}")
+    stack, j = _layer_slot(family, config, i)
+    for t in family.hf.layer_tensors(config, i):
+      if config.scan_layers:
+        value = _get(params, f"decoder/{stack.name}/{t.path}")[j]
+      else:
+        value = _get(params, f"decoder/{stack.name}_{j}/{t.path}")
       if t.part is not None:
         value = value[part_slice(t.part)]
       name = f"model.layers.{i}.{t.hf_name}"

@@ -53,7 +53,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   scores = jnp.where(mask, soft_cap(scores, cap), _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-  return out.reshape(b, s, heads, d)
+  return out.reshape(b, s, heads, v.shape[-1])  # MLA's values may be narrower than its queries
 
 
 def cudnn_attention(
@@ -130,6 +130,20 @@ class Attention(nn.Module):
     # Named as attention reads them (after norm, RoPE and scaling), so a saved q/k/v needs nothing recomputed.
     q = checkpoint_name(q * jnp.asarray(query_scale(cfg), q.dtype), "query_proj")
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+    return self._attend_and_project(q, k, v, positions, segment_ids, window, local)
+
+  def _attend_and_project(
+    self,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    window: int,
+    local: Any,
+  ) -> jax.Array:
+    """Attention of scaled q over k, v (the KV cache when decoding), then the output projection."""
+    cfg = self.config
     cap = cfg.attn_logits_soft_cap
     if self.decode:
       k, v, mask = self._update_cache(k, v, positions, segment_ids, window, local)
@@ -148,9 +162,9 @@ class Attention(nn.Module):
       cfg.base_emb_dim,
       ("heads", "kv", "embed"),
       axis=(-2, -1),
-      dtype=dtype,
-      weight_dtype=wdtype,
-      init_scale=scale,
+      dtype=dtype_of(cfg.dtype),
+      weight_dtype=dtype_of(cfg.weight_dtype),
+      init_scale=cfg.dense_init_scale,
       name="out",
     )(out)
     # Constrained before it is named: with activation_embed split over `tensor` the saved copy is the

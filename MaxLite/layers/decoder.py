@@ -35,45 +35,54 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
-    layer = models.family(cfg.decoder_block).layer
+    family = models.family(cfg.decoder_block)
+    layer = family.layer
     if cfg.remat_policy != "none" and not self.decode:  # decoding keeps no activations for a backward pass
       layer = nn.remat(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
-    if not cfg.scan_layers:
-      auxes = []
-      for i in range(cfg.base_num_decoder_layers):
-        x, aux = layer(cfg, self.deterministic, self.decode, name=f"layers_{i}")(x, positions, segment_ids, i)
+    stacks = family.stacks(cfg)
+    if cfg.num_pipeline_stages > 1 and not self.is_initializing() and not self.decode:
+      return self._pipeline(x, positions, segment_ids)
+    auxes, depth = [], 0
+    for stack in stacks:
+      if not cfg.scan_layers:
+        for i in range(stack.count):
+          module = layer(cfg, self.deterministic, self.decode, name=f"{stack.name}_{i}", **stack.options)
+          x, aux = module(x, positions, segment_ids, depth + i)
+          auxes.append(None if aux is None else jax.tree.map(lambda a: a[None], aux))
+      else:
+        scanned = nn.scan(
+          layer,
+          variable_axes={"params": 0, "cache": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast, nn.broadcast, 0),
+          length=stack.count,
+          metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        module = scanned(cfg, self.deterministic, self.decode, name=stack.name, **stack.options)
+        x, aux = module(x, positions, segment_ids, jnp.arange(depth, depth + stack.count))
         auxes.append(aux)
-      return x, summarize_routing(jax.tree.map(lambda *a: jnp.stack(a), *auxes))
-    stack = nn.scan(
-      layer,
-      variable_axes={"params": 0, "cache": 0},
-      split_rngs={"params": True, "dropout": True},
-      in_axes=(nn.broadcast, nn.broadcast, 0),
-      length=cfg.base_num_decoder_layers,
-      metadata_params={nn.PARTITION_NAME: "layers"},
-    )
-    if cfg.num_pipeline_stages == 1 or self.is_initializing() or self.decode:
-      depth = jnp.arange(cfg.base_num_decoder_layers)
-      x, aux = stack(cfg, self.deterministic, self.decode, name="layers")(x, positions, segment_ids, depth)
-      return x, summarize_routing(aux)
-    return self._pipeline(x, positions, segment_ids)
+      depth += stack.count
+    routed = [a for a in auxes if a is not None]  # [layers, ...] each; dense layers have none
+    return x, summarize_routing(jax.tree.map(lambda *a: jnp.concatenate(a), *routed) if routed else None)
 
   def _pipeline(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
 
     # The parameters were created by the scanned stack above (so checkpoints are layout-independent);
     # here each layer is applied functionally to its slice of them.
-    layer = models.family(cfg.decoder_block).layer
+    family = models.family(cfg.decoder_block)
+    (stack,) = family.stacks(cfg)  # the family's check allows pipelining only with one kind of layer
+    layer = family.layer(cfg, self.deterministic, **stack.options)
 
     def layer_fn(params, h, pos, seg, depth, rng):
-      return layer(cfg, self.deterministic).apply({"params": params}, h, pos, seg, depth, rngs={"dropout": rng})
+      return layer.apply({"params": params}, h, pos, seg, depth, rngs={"dropout": rng})
 
     if cfg.remat_policy != "none":
       layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg))
     rng = self.make_rng("dropout") if not self.deterministic else jax.random.key(0)
     x, aux = run_pipeline(
       layer_fn,
-      self.variables["params"]["layers"],
+      self.variables["params"][stack.name],
       x,
       positions,
       segment_ids,
@@ -85,14 +94,18 @@ class Decoder(nn.Module):
 
 
 def summarize_routing(per_layer: Any) -> Any:
-  """Per-layer routing sums [layers, ...] -> {lb_loss (mean over layers), dropped, routed}; None stays None."""
+  """Per-layer routing sums [layers, ...] -> {lb_loss (mean over layers), dropped, routed, and with a routing bias
+  expert_counts [layers, experts]}; None stays None."""
   if per_layer is None:
     return None
-  return {
+  summary = {
     "lb_loss": jnp.mean(load_balance_loss(per_layer)),
     "dropped": jnp.sum(per_layer["dropped"]),
     "routed": jnp.sum(per_layer["routed"]),
   }
+  if "expert_counts" in per_layer:  # [MoE layers, experts]: what DeepSeek's routing-bias update balances
+    summary["expert_counts"] = per_layer["expert_counts"]
+  return summary
 
 
 class Transformer(nn.Module):

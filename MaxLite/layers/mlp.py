@@ -51,15 +51,17 @@ class MlpBlock(nn.Module):
 
   config: Config
   norm: nn.Module | None = None
+  width: int = 0  # the hidden width; 0 = base_mlp_dim (DeepSeek's shared experts and dense layers set their own)
 
   def setup(self):
     cfg = self.config
+    width = self.width or cfg.base_mlp_dim
     kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), init_scale=cfg.dense_init_scale)
     if cfg.fused_mlp:  # gate and up from one [embed, 2, mlp] kernel: one matmul, one read of x
-      self.wi = DenseGeneral((2, cfg.base_mlp_dim), ("embed", "num_activations", "mlp"), **kw)
+      self.wi = DenseGeneral((2, width), ("embed", "num_activations", "mlp"), **kw)
     else:
-      self.wi_0 = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), **kw)
-      self.wi_1 = DenseGeneral(cfg.base_mlp_dim, ("embed", "mlp"), **kw)
+      self.wi_0 = DenseGeneral(width, ("embed", "mlp"), **kw)
+      self.wi_1 = DenseGeneral(width, ("embed", "mlp"), **kw)
     self.wo = DenseGeneral(cfg.base_emb_dim, ("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -8,6 +8,7 @@ the batch is sharded. Padding tokens (segment id 0) are not routed at all.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -48,15 +49,27 @@ def load_balance_loss(stats: dict) -> jax.Array:
 
 
 def choose_experts(
-  router_logits: jax.Array, token_mask: jax.Array, top_k: int, normalize_top_k: bool = True
+  router_logits: jax.Array,
+  token_mask: jax.Array,
+  top_k: int,
+  normalize_top_k: bool = True,
+  routing: Routing | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
-  """Top-k softmax routing -> (weights [b,s,k], experts [b,s,k], choice [b,s,k,e] 0/1 of real tokens, routing
-  sums without the dropped count; see load_balance_loss)."""
+  """Top-k routing -> (weights [b,s,k], experts [b,s,k], choice [b,s,k,e] 0/1 of real tokens, routing sums without
+  the dropped count; see load_balance_loss). Softmax scores by default; `routing` (DeepSeek) may make them sigmoids,
+  add a bias for the choice only, limit the choice to the best groups and scale the weights."""
   e = router_logits.shape[-1]
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, top_k)  # [b, s, k]
-  if normalize_top_k:  # Mixtral and Qwen3 (norm_topk_prob) renormalise the chosen k to sum to 1
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  routing = routing or Routing()
+  logits = router_logits.astype(jnp.float32)
+  probs = jax.nn.sigmoid(logits) if routing.score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  chooser = probs if routing.bias is None else probs + routing.bias.astype(jnp.float32)
+  if routing.groups > 1:
+    chooser = _best_groups_only(chooser, routing.groups, routing.top_groups)
+  _, experts = jax.lax.top_k(chooser, top_k)  # [b, s, k]
+  weights = jnp.take_along_axis(probs, experts, axis=-1)  # the scores without the bias
+  if normalize_top_k:  # Mixtral, Qwen3 (norm_topk_prob) and DeepSeek-V3 renormalise the chosen k to sum to 1
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if routing.score_func == "sigmoid" else 0.0))
+  weights = weights * routing.scaling if routing.scaling != 1.0 else weights
   choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
   assigned = jnp.sum(choice, axis=(1, 2))  # [b, e]
   prob_sum = jnp.sum(probs * token_mask[..., None], axis=1)  # [b, e]
@@ -65,11 +78,41 @@ def choose_experts(
   # load_balance_loss. A sequence of padding only adds 0.
   lb_sum = e * jnp.sum(assigned * prob_sum, axis=-1) / jnp.maximum(tokens, 1.0)
   stats = {"lb_sum": jnp.sum(lb_sum), "tokens": jnp.sum(tokens), "routed": jnp.sum(choice)}
+  if routing.bias is not None:  # what the bias update balances (training/train_step.py)
+    stats["expert_counts"] = jnp.sum(assigned, axis=0)
   return weights, experts, choice, stats
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """DeepSeek's router: score_func softmax | sigmoid, bias [experts] added for the choice only, the choice limited
+  to the top_groups best of `groups` expert groups (a group's worth: the sum of its two best biased scores), and
+  the weights multiplied by `scaling`."""
+
+  score_func: str = "softmax"
+  bias: jax.Array | None = None
+  groups: int = -1
+  top_groups: int = -1
+  scaling: float = 1.0
+
+
+def _best_groups_only(scores: jax.Array, groups: int, top_groups: int) -> jax.Array:
+  """scores [..., e] with the experts outside each token's top_groups best groups set to -inf."""
+  *lead, e = scores.shape
+  grouped = scores.reshape(*lead, groups, e // groups)
+  worth = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., groups]
+  _, best = jax.lax.top_k(worth, top_groups)
+  keep = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)  # [..., groups]
+  return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(*lead, e)
+
+
 def route(
-  router_logits: jax.Array, token_mask: jax.Array, top_k: int, capacity: int, normalize_top_k: bool = True
+  router_logits: jax.Array,
+  token_mask: jax.Array,
+  top_k: int,
+  capacity: int,
+  normalize_top_k: bool = True,
+  routing: Routing | None = None,
 ) -> tuple:
   """Top-k softmax routing -> (dispatch [b,s,e,c] 0/1, combine [b,s,e,c] weights, routing sums).
 
@@ -80,7 +123,7 @@ def route(
   have priority), and within one rank earlier positions in the sequence win.
   """
   b, s, e = router_logits.shape
-  weights, _, choice, stats = choose_experts(router_logits, token_mask, top_k, normalize_top_k)
+  weights, _, choice, stats = choose_experts(router_logits, token_mask, top_k, normalize_top_k, routing)
   by_rank = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * s, e)
   slot = (jnp.cumsum(by_rank, axis=1) - 1.0) * by_rank  # 0-based slot in the chosen expert
   kept = by_rank * (slot < capacity)
@@ -104,6 +147,16 @@ class MoeBlock(nn.Module):
     router_logits = DenseGeneral(
       n, ("embed", None), dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
     )(x)
+    routing = Routing(
+      score_func=cfg.routed_score_func or "softmax",
+      # Its gradient is zero (it only decides top_k); train_step moves it by routed_bias_update_rate instead.
+      bias=self.param("score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (n,))
+      if cfg.routed_bias
+      else None,
+      groups=cfg.n_routing_groups,
+      top_groups=cfg.topk_routing_group,
+      scaling=cfg.routed_scaling_factor,
+    )
 
     def kernel(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
       init = nn.initializers.variance_scaling(
@@ -116,7 +169,9 @@ class MoeBlock(nn.Module):
     wo = kernel("wo", (n, mlp, emb), ("exp", "mlp", "embed"))
     mask = token_mask.astype(jnp.float32)
     if cfg.sparse_matmul:
-      weights, experts, _, aux = choose_experts(router_logits, mask, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+      weights, experts, _, aux = choose_experts(
+        router_logits, mask, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing
+      )
       y, dropped = sparse_experts(
         x.astype(dtype),
         weights,
@@ -132,7 +187,7 @@ class MoeBlock(nn.Module):
       y = nn.with_logical_constraint(y, EMBED_ACTIVATION)
       return checkpoint_name(y, "mlpwo"), {**aux, "dropped": dropped}
     capacity = expert_capacity(x.shape[1], n, cfg.num_experts_per_tok, cfg.capacity_factor)
-    dispatch, combine, aux = route(router_logits, mask, cfg.num_experts_per_tok, capacity, cfg.norm_topk_prob)
+    dispatch, combine, aux = route(router_logits, mask, cfg.num_experts_per_tok, capacity, cfg.norm_topk_prob, routing)
 
     tokens = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(dtype), x.astype(dtype))
     tokens = nn.with_logical_constraint(tokens, EXPERT_ACTIVATION)

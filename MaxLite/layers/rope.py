@@ -66,16 +66,18 @@ def yarn_frequencies(
   return interpolated * (1 - keep) + original * keep, scale
 
 
-def rope_frequencies(c: Any) -> tuple[np.ndarray, float]:
-  """(float32 frequencies [head_dim / 2], cos/sin scale) for the config's rope_type."""
-  freq, scale = default_frequencies(c.head_dim, c.rope_max_timescale), 1.0
+def rope_frequencies(c: Any, head_dim: int = 0) -> tuple[np.ndarray, float]:
+  """(float32 frequencies [head_dim / 2], cos/sin scale) for the config's rope_type; head_dim 0 = the config's (MLA
+  rotates qk_rope_head_dim features)."""
+  head_dim = head_dim or c.head_dim
+  freq, scale = default_frequencies(head_dim, c.rope_max_timescale), 1.0
   if c.rope_type == "llama3.1":
     freq = llama31_frequencies(
       freq, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.original_max_position_embeddings
     )
   elif c.rope_type == "yarn":
     freq, scale = yarn_frequencies(
-      c.head_dim,
+      head_dim,
       c.rope_max_timescale,
       c.rope_factor,
       c.original_max_position_embeddings,

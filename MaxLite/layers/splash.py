@@ -60,6 +60,9 @@ def splash_attention(
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled.
   window > 0: each query sees its `window` latest keys only (the kernel skips the blocks outside the band);
   cap > 0: the scores are soft-capped."""
+  value_dim = v.shape[-1]
+  if value_dim < q.shape[-1]:  # MLA's values are narrower than its queries; the kernel takes one head width
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - value_dim)])
   mesh = jax.sharding.get_abstract_mesh()
   on_mesh = mesh is not None and not mesh.empty
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel wants [heads, seq, d] per example
@@ -103,4 +106,4 @@ def splash_attention(
       check_vma=False,
     )
     out = sharded(kernel, q, k, v, segment_ids, segment_ids)
-  return jnp.swapaxes(out, 1, 2)
+  return jnp.swapaxes(out, 1, 2)[..., :value_dim]

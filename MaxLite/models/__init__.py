@@ -18,18 +18,32 @@ class HfLayout:
 
   architectures: the transformers classes it reads. settings(config.json dict, source name) -> MaxLite model keys
   (a config.json asking for something the family does not compute is refused by name). config(config, bos_id,
-  eos_id) -> config.json. layer_tensors(config) / global_tensors(config): the weights of one decoder layer and of
+  eos_id) -> config.json. layer_tensors(config, layer) / global_tensors(config): the weights of one decoder layer and of
   the rest, as hf_layout.Tensor."""
 
   architectures: tuple[str, ...]
   settings: Callable[[dict[str, Any], str], dict[str, Any]]
   config: Callable[..., dict[str, Any]]
-  layer_tensors: Callable[[Any], list[Any]]
+  layer_tensors: Callable[[Any, int], list[Any]]
   global_tensors: Callable[[Any], list[Any]]
 
 
 def _no_checks(c: Mapping[str, Any]) -> None:
   del c
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+  """`count` consecutive layers made as layer(..., **options), scanned as one under decoder/<name> (or unrolled as
+  decoder/<name>_<i>)."""
+
+  name: str
+  count: int
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def one_stack(config: Any) -> tuple[Stack, ...]:
+  return (Stack("layers", config.base_num_decoder_layers),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +56,8 @@ class Family:
   attention). parameter_count(config dict) -> the exact count. training_flops(config) -> {weights, attention, total,
   experts}: model FLOPs of one optimizer step (training/flops.py). check(config dict) raises ConfigError for
   settings the family does not compute. scale_embeddings: the embeddings are multiplied by sqrt(base_emb_dim).
-  norm_scale_offset: the final norm's weight is stored minus this (layers/norms.py; Gemma: 1)."""
+  norm_scale_offset: the final norm's weight is stored minus this (layers/norms.py; Gemma: 1). stacks(config): the
+  layers as runs of one kind (DeepSeek: its first dense layers, then the MoE ones); one run by default."""
 
   decoder_blocks: tuple[str, ...]
   layer: Any
@@ -52,6 +67,7 @@ class Family:
   check: Callable[[Mapping[str, Any]], None] = _no_checks
   scale_embeddings: bool = False
   norm_scale_offset: float = 0.0
+  stacks: Callable[[Any], tuple[Stack, ...]] = one_stack
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -104,7 +104,8 @@ _SAME = (lambda w: w, lambda k: k)
 _T = (lambda w: w.T, lambda k: k.T)
 
 
-def layer_tensors(config: Any) -> list[Tensor]:
+def layer_tensors(config: Any, layer: int) -> list[Tensor]:
+  del layer  # every layer has the same weights
   qkv, out_proj = hf_layout.attention_tensors(config)
   out = [
     *qkv,

@@ -88,7 +88,7 @@ models.register(
       architectures=hf_layout.ARCHITECTURES,
       settings=hf_layout.model_settings_from_hf,
       config=hf_layout.hf_config_from_model,
-      layer_tensors=hf_layout.layer_tensors,
+      layer_tensors=lambda config, layer: hf_layout.layer_tensors(config),
       global_tensors=lambda config: hf_layout.global_tensors(config.logits_via_embedding),
     ),
   )

@@ -21,9 +21,11 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
 
 def _decay_mask(params):
   # Norm scales are gains, not weights: decaying them towards zero would fight the normalisation. Biases (Qwen's
-  # q/k/v) are offsets, left undecayed as in the recipes that trained them.
+  # q/k/v) are offsets, left undecayed as in the recipes that trained them. DeepSeek's routing bias is not trained by
+  # the optimizer at all (train_step moves it); decay would pull it to zero.
+  undecayed = ("scale", "bias", "score_correction_bias")
   return jax.tree_util.tree_map_with_path(
-    lambda path, _: not any(getattr(k, "key", None) in ("scale", "bias") for k in path), params
+    lambda path, _: not any(getattr(k, "key", None) in undecayed for k in path), params
   )
 
 

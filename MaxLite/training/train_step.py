@@ -45,6 +45,8 @@ def batch_loss_sums(
     moe = extra["intermediates"]["moe"][0]
     # Token-weighted like the other terms, so gradient accumulation and sharding leave it unchanged.
     sums.update(moe_lb_sum=moe["lb_loss"] * tokens, moe_dropped=moe["dropped"], moe_routed=moe["routed"])
+    if "expert_counts" in moe:  # [MoE layers, experts], for the routing-bias update
+      sums["expert_counts"] = moe["expert_counts"]
   sums["loss_sum"] = sums["xent_sum"] + sums["z_sum"] + config.load_balance_loss_weight * sums.get("moe_lb_sum", 0.0)
   return sums["loss_sum"], sums
 
@@ -119,6 +121,8 @@ def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: An
   grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
   grad_norm = optax.global_norm(grads)
   new_state = state.apply_gradients(grads=grads)
+  if "expert_counts" in aux and config.routed_bias_update_rate > 0:
+    new_state = new_state.replace(params=update_routing_bias(new_state.params, aux["expert_counts"], config))
   metrics = {
     "loss": aux["loss_sum"] / count,
     "grad_norm": grad_norm,
@@ -135,6 +139,29 @@ def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: An
   return new_state, metrics
 
 
+def update_routing_bias(params: Any, counts: jax.Array, config: Config) -> Any:
+  """DeepSeek-V3's auxiliary-loss-free balancing (MaxText's update): each MoE layer's routing bias moves by
+  routed_bias_update_rate towards balance, up for an expert chosen less often than the average, down for one chosen
+  more. counts [MoE layers, experts] are this step's choices over the whole global batch. No gradient is involved."""
+  step = config.routed_bias_update_rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+  decoder = dict(params["decoder"])
+  if config.scan_layers:
+    moe = decoder["moe_layers"]
+    decoder["moe_layers"] = _with_bias(moe, moe["moe"]["score_correction_bias"] + step)
+  else:
+    for j in range(counts.shape[0]):
+      moe = decoder[f"moe_layers_{j}"]
+      decoder[f"moe_layers_{j}"] = _with_bias(moe, moe["moe"]["score_correction_bias"] + step[j])
+  return {**params, "decoder": decoder}
+
+
+def _with_bias(layer: Any, bias: jax.Array) -> Any:
+  return {
+    **layer,
+    "moe": {**layer["moe"], "score_correction_bias": bias.astype(layer["moe"]["score_correction_bias"].dtype)},
+  }
+
+
 def eval_step(
   params: Any, batch: Batch, reference: Any = None, *, apply_fn: Any, config: Config, shardings: Any = None
 ) -> dict:
@@ -143,6 +170,7 @@ def eval_step(
     params = on_device(params, shardings)
     reference = None if reference is None else on_device(reference, shardings)
   _, aux = batch_loss_sums(params, apply_fn, batch, jax.random.key(0), config, reference)
+  aux.pop("expert_counts", None)  # only training moves the routing bias; eval reports scalars
   return aux
 
 

@@ -1,0 +1,378 @@
+"""DeepSeek-V3 (MaxText's `deepseek` block): multi-head latent attention (layers/mla.py), the first
+first_num_dense_layers layers with a dense SwiGLU MLP and the rest mixture-of-experts with shared experts, routed by
+sigmoid scores with a bias for the choice (auxiliary-loss-free balancing: train_step moves it by
+routed_bias_update_rate each step), grouped top-k and scaled weights; YaRN RoPE.
+
+The dense and the MoE layers are two scanned stacks (decoder/dense_layers, decoder/moe_layers), as in MaxText.
+Multi-token prediction (mtp_num_layers) is not built: transformers' DeepseekV3ForCausalLM has none either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxLite import models
+from MaxLite.checkpoint.hf_layout import Tensor
+from MaxLite.cli.errors import ConfigError, InputError
+from MaxLite.config import Config
+from MaxLite.layers.attention import Attention
+from MaxLite.layers.mla import MlaAttention
+from MaxLite.layers.mlp import MlpBlock
+from MaxLite.layers.moe import MoeBlock
+from MaxLite.layers.norms import RMSNorm
+from MaxLite.layers.quantities import dtype_of
+from MaxLite.models.llama import attention_parameters, moe_mlp_dim
+from MaxLite.parallel.sharding import EMBED_ACTIVATION
+
+
+class DeepSeekLayer(nn.Module):
+  config: Config
+  deterministic: bool = True
+  decode: bool = False
+  moe: bool = True
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, layer_index: Any) -> tuple:
+    del layer_index
+    cfg = self.config
+    norm = dict(
+      epsilon=cfg.normalization_layer_epsilon, dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype)
+    )
+    dropout = lambda h: nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
+    x = checkpoint_name(nn.with_logical_constraint(x, EMBED_ACTIVATION), "decoder_layer_input")
+    h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
+    attention = MlaAttention if cfg.attention_type == "mla" else Attention
+    x = x + dropout(attention(cfg, self.decode, name="self_attention")(h, positions, segment_ids))
+    h = RMSNorm(name="post_self_attention_norm", **norm)(x)
+    aux = None
+    if self.moe:
+      y, aux = MoeBlock(cfg, name="moe")(h, segment_ids != 0)
+      if cfg.shared_experts > 0:
+        y = y + MlpBlock(cfg, width=cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(h)
+    else:
+      y = MlpBlock(cfg, name="mlp")(h)
+    x = x + dropout(y)
+    return nn.with_logical_constraint(x, EMBED_ACTIVATION), aux
+
+
+def stacks(config: Any) -> tuple[models.Stack, ...]:
+  dense = config.first_num_dense_layers
+  moe = models.Stack("moe_layers", config.base_num_decoder_layers - dense, {"moe": True})
+  return ((models.Stack("dense_layers", dense, {"moe": False}),) if dense else ()) + (moe,)
+
+
+def _mla_parameters(c: Mapping[str, Any]) -> int:
+  emb, heads, rq, rkv = c["base_emb_dim"], c["base_num_query_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+  dq = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+  q = emb * rq + rq + rq * heads * dq if rq > 0 else emb * heads * dq
+  kv = emb * (rkv + c["qk_rope_head_dim"]) + rkv + rkv * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
+  return q + kv + heads * c["v_head_dim"] * emb
+
+
+def parameter_count(c: Mapping[str, Any]) -> int:
+  """The routing bias (routed_bias) counts: it is a parameter here (transformers keeps it as a buffer)."""
+  emb, vocab, experts, width = c["base_emb_dim"], c["vocab_size"], c["num_experts"], moe_mlp_dim(c)
+  attention = _mla_parameters(c) if c["attention_type"] == "mla" else attention_parameters(c)
+  dense = attention + 3 * emb * c["base_mlp_dim"] + 2 * emb
+  moe = attention + 3 * emb * width * (experts + c["shared_experts"]) + emb * experts + 2 * emb
+  moe += experts * c["routed_bias"]
+  layers, first = c["base_num_decoder_layers"], c["first_num_dense_layers"]
+  head = 0 if c["logits_via_embedding"] else emb * vocab
+  return vocab * emb + first * dense + (layers - first) * moe + emb + head
+
+
+def training_flops(config: Config) -> dict[str, float]:
+  """Model FLOPs as training/flops.py counts them: 2 per multiply-add, x3 for training, causal attention at half."""
+  tokens = config.global_batch_size_to_train_on * config.max_target_length
+  emb, heads, seq = config.base_emb_dim, config.base_num_query_heads, config.max_target_length
+  if config.attention_type == "mla":
+    nope, rope, dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    rq, rkv = config.q_lora_rank, config.kv_lora_rank
+    q = emb * rq + rq * heads * (nope + rope) if rq > 0 else emb * heads * (nope + rope)
+    projections = q + emb * (rkv + rope) + rkv * heads * (nope + dv) + heads * dv * emb
+    attention = seq / 2 * heads * (nope + rope + dv)
+  else:
+    d, kv = config.head_dim, config.base_num_kv_heads
+    projections = emb * d * (2 * heads + 2 * kv)
+    attention = seq / 2 * heads * 2 * d
+  width, k = config.moe_mlp_dim, config.num_experts_per_tok
+  experts = 3 * emb * width * k
+  moe_mlp = experts + 3 * emb * width * config.shared_experts + emb * config.num_experts
+  first, layers = config.first_num_dense_layers, config.base_num_decoder_layers
+  weights = layers * projections + first * 3 * emb * config.base_mlp_dim + (layers - first) * moe_mlp
+  weights += emb * config.vocab_size
+  out = {
+    "weights": 3 * 2 * tokens * weights,
+    "attention": 3 * 2 * tokens * layers * attention,
+    "experts": 3 * 2 * tokens * (layers - first) * experts,
+  }
+  return {**{k: float(v) for k, v in out.items()}, "total": float(out["weights"] + out["attention"])}
+
+
+def check(c: Mapping[str, Any]) -> None:
+  experts, groups, best = c["num_experts"], c["n_routing_groups"], c["topk_routing_group"]
+  if experts < 2:
+    raise ConfigError(f"decoder_block=deepseek is a mixture of experts: num_experts={experts} must be >= 2")
+  if not 0 <= c["first_num_dense_layers"] < c["base_num_decoder_layers"]:
+    raise ConfigError(
+      f"first_num_dense_layers={c['first_num_dense_layers']} must be in [0, base_num_decoder_layers="
+      f"{c['base_num_decoder_layers']})"
+    )
+  if c["routed_score_func"] not in ("", "softmax", "sigmoid"):
+    raise ConfigError(f"routed_score_func={c['routed_score_func']!r} is not one of: '', 'softmax', 'sigmoid'")
+  if c["attention_type"] not in ("global", "mla"):
+    raise ConfigError(f"attention_type={c['attention_type']!r} is not one of: 'global', 'mla'")
+  if groups != -1 and not (groups >= 1 and experts % groups == 0 and experts // groups >= 2 and 1 <= best <= groups):
+    raise ConfigError(
+      f"n_routing_groups={groups} must divide num_experts={experts} into groups of >= 2 experts, with 1 <= "
+      f"topk_routing_group={best} <= n_routing_groups (or n_routing_groups=-1: no groups)"
+    )
+  if c["first_num_dense_layers"] and (c["ici_pipeline_parallelism"] > 1 or c["dcn_pipeline_parallelism"] > 1):
+    raise ConfigError("pipeline parallelism needs one kind of layer; set first_num_dense_layers=0 or pipeline 1")
+  if c["attention_type"] == "mla" and (c["fused_qkv"] or c["sliding_window_size"] or c["attention"] == "cudnn"):
+    raise ConfigError("attention_type=mla needs fused_qkv=false, sliding_window_size=0 and attention other than cudnn")
+
+
+# ---------------------------------------------------------------- Hugging Face (DeepseekV3ForCausalLM)
+
+
+def _rope_rows_last(n: int) -> tuple[np.ndarray, np.ndarray]:
+  """(to rotate-half order, back): transformers rotates interleaved pairs of the last n RoPE features; MaxLite the
+  two halves. Permuting those weight rows once (evens, then odds) makes one the other."""
+  order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
+  return order, np.argsort(order)
+
+
+def _heads(rows_in: int, heads: int, width: int, rope: int = 0) -> tuple:
+  """HF [heads * width, rows_in] <-> MaxLite kernel [rows_in, heads, width]; the last `rope` of each head's width
+  permuted (see _rope_rows_last)."""
+  to, back = _rope_rows_last(rope)
+  order = np.concatenate([np.arange(width - rope), width - rope + to])
+  inverse = np.concatenate([np.arange(width - rope), width - rope + back])
+  return (
+    lambda w: w.T.reshape(rows_in, heads, width)[..., order],
+    lambda k: k[..., inverse].reshape(rows_in, heads * width).T,
+  )
+
+
+_SAME = (lambda w: w, lambda k: k)
+_T = (lambda w: w.T, lambda k: k.T)
+
+
+def layer_tensors(config: Any, layer: int) -> list[Tensor]:
+  emb, heads, nope, rope = (
+    config.base_emb_dim,
+    config.base_num_query_heads,
+    config.qk_nope_head_dim,
+    config.qk_rope_head_dim,
+  )
+  rq, rkv, dv = config.q_lora_rank, config.kv_lora_rank, config.v_head_dim
+  to, back = _rope_rows_last(rope)
+  latent_order = np.concatenate([np.arange(rkv), rkv + to])
+  latent_inverse = np.concatenate([np.arange(rkv), rkv + back])
+  out = [
+    Tensor("pre_self_attention_norm/scale", "input_layernorm.weight", *_SAME),
+    Tensor("post_self_attention_norm/scale", "post_attention_layernorm.weight", *_SAME),
+    Tensor(
+      "self_attention/wkv_a/kernel",
+      "self_attn.kv_a_proj_with_mqa.weight",
+      lambda w: w.T[:, latent_order],
+      lambda k: k[:, latent_inverse].T,
+    ),
+    Tensor("self_attention/kv_norm/scale", "self_attn.kv_a_layernorm.weight", *_SAME),
+    Tensor("self_attention/wkv_b/kernel", "self_attn.kv_b_proj.weight", *_heads(rkv, heads, nope + dv)),
+    Tensor(
+      "self_attention/out/kernel",
+      "self_attn.o_proj.weight",
+      lambda w: w.T.reshape(heads, dv, emb),
+      lambda k: k.reshape(heads * dv, emb).T,
+    ),
+  ]
+  if rq > 0:
+    out += [
+      Tensor("self_attention/wq_a/kernel", "self_attn.q_a_proj.weight", *_T),
+      Tensor("self_attention/q_norm/scale", "self_attn.q_a_layernorm.weight", *_SAME),
+      Tensor("self_attention/wq_b/kernel", "self_attn.q_b_proj.weight", *_heads(rq, heads, nope + rope, rope)),
+    ]
+  else:
+    out.append(Tensor("self_attention/query/kernel", "self_attn.q_proj.weight", *_heads(emb, heads, nope + rope, rope)))
+  if layer < config.first_num_dense_layers:
+    return out + [
+      Tensor("mlp/wi_0/kernel", "mlp.gate_proj.weight", *_T),
+      Tensor("mlp/wi_1/kernel", "mlp.up_proj.weight", *_T),
+      Tensor("mlp/wo/kernel", "mlp.down_proj.weight", *_T),
+    ]
+  out += [
+    Tensor("moe/gate/kernel", "mlp.gate.weight", *_T),
+    Tensor("moe/wi_0", "mlp.experts.{e}.gate_proj.weight", *_T),
+    Tensor("moe/wi_1", "mlp.experts.{e}.up_proj.weight", *_T),
+    Tensor("moe/wo", "mlp.experts.{e}.down_proj.weight", *_T),
+  ]
+  if config.routed_bias:
+    out.append(Tensor("moe/score_correction_bias", "mlp.gate.e_score_correction_bias", *_SAME))
+  if config.shared_experts:
+    out += [
+      Tensor("shared_experts/wi_0/kernel", "mlp.shared_experts.gate_proj.weight", *_T),
+      Tensor("shared_experts/wi_1/kernel", "mlp.shared_experts.up_proj.weight", *_T),
+      Tensor("shared_experts/wo/kernel", "mlp.shared_experts.down_proj.weight", *_T),
+    ]
+  return out
+
+
+def global_tensors(config: Any) -> list[Tensor]:
+  out = [
+    Tensor("token_embedder/embedding", "model.embed_tokens.weight", *_SAME),
+    Tensor("decoder_norm/scale", "model.norm.weight", *_SAME),
+  ]
+  if not config.logits_via_embedding:
+    out.append(Tensor("logits_dense/kernel", "lm_head.weight", *_T))
+  return out
+
+
+def _rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind == "default":
+    return {"rope_type": "default", "rope_max_timescale": theta}
+  if kind != "yarn":
+    raise InputError(f"{source}: rope_type={kind!r} is not supported for DeepSeek (default, yarn)")
+  mscale, mscale_all_dim = rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
+  if rope.get("attention_factor") is not None or (mscale and mscale != mscale_all_dim):
+    raise InputError(f"{source}: yarn with mscale != mscale_all_dim or an attention_factor is not supported")
+  return {
+    "rope_type": "yarn",
+    "rope_max_timescale": theta,
+    "rope_factor": float(rope["factor"]),
+    "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+    "beta_fast": float(rope.get("beta_fast") or 32),
+    "beta_slow": float(rope.get("beta_slow") or 1),
+    "rope_truncate": bool(rope.get("truncate", True)),
+    "mscale": float(mscale_all_dim),
+  }
+
+
+def settings_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  if hf.get("hidden_act", "silu") != "silu":
+    raise InputError(f"{source}: hidden_act={hf['hidden_act']!r}; MaxLite's DeepSeek MLPs are SwiGLU (silu)")
+  if hf.get("attention_bias"):
+    raise InputError(f"{source}: attention_bias=true is not supported for DeepseekV3ForCausalLM")
+  if not hf.get("rope_interleave", True):
+    raise InputError(f"{source}: rope_interleave=false is not supported (the converter permutes interleaved RoPE rows)")
+  if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+    raise InputError(f"{source}: topk_method={hf['topk_method']!r} is not supported (DeepSeek-V3's noaux_tc)")
+  groups = hf.get("n_group") or 1
+  return {
+    "base_emb_dim": hf["hidden_size"],
+    "base_num_query_heads": hf["num_attention_heads"],
+    "base_num_kv_heads": hf["num_attention_heads"],
+    "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+    "base_mlp_dim": hf["intermediate_size"],
+    "base_moe_mlp_dim": hf["moe_intermediate_size"],
+    "base_num_decoder_layers": hf["num_hidden_layers"],
+    "first_num_dense_layers": hf.get("first_k_dense_replace", 3),
+    "vocab_size": hf["vocab_size"],
+    "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+    "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+    "max_position_embeddings": int(hf.get("max_position_embeddings") or -1),
+    "attention_type": "mla",
+    "q_lora_rank": hf.get("q_lora_rank") or 0,
+    "kv_lora_rank": hf["kv_lora_rank"],
+    "qk_nope_head_dim": hf["qk_nope_head_dim"],
+    "qk_rope_head_dim": hf["qk_rope_head_dim"],
+    "v_head_dim": hf["v_head_dim"],
+    "num_experts": hf.get("n_routed_experts") or hf["num_local_experts"],
+    "num_experts_per_tok": hf["num_experts_per_tok"],
+    "shared_experts": hf.get("n_shared_experts") or 0,
+    "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+    "routed_score_func": "sigmoid",
+    "routed_bias": True,
+    "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+    "n_routing_groups": groups if groups > 1 else -1,
+    "topk_routing_group": (hf.get("topk_group") or 1) if groups > 1 else -1,
+    "attention_bias": False,
+    **_rope(hf, source),
+  }
+
+
+def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
+  if config.attention_type != "mla" or config.routed_score_func != "sigmoid" or not config.routed_bias:
+    raise InputError(
+      "to_hf: DeepseekV3ForCausalLM needs attention_type=mla, routed_score_func=sigmoid, routed_bias=true"
+    )
+  rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_max_timescale}
+  if config.rope_type == "yarn":
+    rope = {
+      "rope_type": "yarn",
+      "rope_theta": config.rope_max_timescale,
+      "factor": config.rope_factor,
+      "original_max_position_embeddings": config.original_max_position_embeddings,
+      "beta_fast": config.beta_fast,
+      "beta_slow": config.beta_slow,
+      "mscale": config.mscale,
+      "mscale_all_dim": config.mscale,
+      "truncate": config.rope_truncate,
+    }
+  elif config.rope_type != "default":
+    raise InputError(f"to_hf: DeepseekV3ForCausalLM takes rope_type default or yarn, not {config.rope_type}")
+  grouped = config.n_routing_groups > 1
+  context = config.max_position_embeddings if config.max_position_embeddings > 0 else config.max_target_length
+  return {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_act": "silu",
+    "hidden_size": config.base_emb_dim,
+    "intermediate_size": config.base_mlp_dim,
+    "moe_intermediate_size": config.moe_mlp_dim,
+    "num_attention_heads": config.base_num_query_heads,
+    "num_key_value_heads": config.base_num_query_heads,
+    "num_hidden_layers": config.base_num_decoder_layers,
+    "first_k_dense_replace": config.first_num_dense_layers,
+    "vocab_size": config.vocab_size,
+    "rms_norm_eps": config.normalization_layer_epsilon,
+    "q_lora_rank": config.q_lora_rank or None,
+    "kv_lora_rank": config.kv_lora_rank,
+    "qk_nope_head_dim": config.qk_nope_head_dim,
+    "qk_rope_head_dim": config.qk_rope_head_dim,
+    "v_head_dim": config.v_head_dim,
+    "n_routed_experts": config.num_experts,
+    "num_experts_per_tok": config.num_experts_per_tok,
+    "n_shared_experts": config.shared_experts,
+    "norm_topk_prob": config.norm_topk_prob,
+    "routed_scaling_factor": config.routed_scaling_factor,
+    "n_group": config.n_routing_groups if grouped else 1,
+    "topk_group": config.topk_routing_group if grouped else 1,
+    "rope_parameters": rope,
+    "rope_interleave": True,
+    "attention_bias": False,
+    "tie_word_embeddings": config.logits_via_embedding,
+    "max_position_embeddings": context,
+    "bos_token_id": bos_id,
+    "eos_token_id": eos_id,
+    "torch_dtype": config.weight_dtype,
+  }
+
+
+models.register(
+  models.Family(
+    decoder_blocks=("deepseek",),
+    layer=DeepSeekLayer,
+    parameter_count=parameter_count,
+    training_flops=training_flops,
+    hf=models.HfLayout(
+      architectures=("DeepseekV3ForCausalLM",),
+      settings=settings_from_hf,
+      config=hf_config,
+      layer_tensors=layer_tensors,
+      global_tensors=global_tensors,
+    ),
+    check=check,
+    stacks=stacks,
+  )
+)

@@ -1,0 +1,235 @@
+"""DeepSeek-V3 (decoder_block=deepseek): transformers' DeepseekV3ForCausalLM converted gives its logits and greedy
+tokens and exports back bit for bit; the published configs' parameter counts equal transformers'; the routing bias
+moves towards balance and only by its update; every parallelism layout trains like one device."""
+
+import re
+
+import numpy as np
+import pytest
+from conftest import first_devices, make_config
+from test_hf_interop import maxlite_config, maxlite_logits, maxlite_params, token_ids
+from test_parallelism import _losses, _run
+
+from MaxLite.checkpoint import hf as convert_hf
+from MaxLite.cli.errors import ConfigError
+from MaxLite.data import BATCH_KEYS
+from MaxLite.decode import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY_HF = dict(
+  vocab_size=384,
+  hidden_size=64,
+  intermediate_size=128,
+  moe_intermediate_size=32,
+  num_hidden_layers=3,
+  first_k_dense_replace=1,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  n_routed_experts=8,
+  num_experts_per_tok=2,
+  n_group=4,
+  topk_group=2,
+  n_shared_experts=1,
+  routed_scaling_factor=2.5,
+  q_lora_rank=32,
+  kv_lora_rank=16,
+  qk_nope_head_dim=16,
+  qk_rope_head_dim=8,
+  v_head_dim=12,
+  max_position_embeddings=256,
+)
+YARN = dict(
+  rope_type="yarn",
+  rope_theta=10000.0,
+  factor=4.0,
+  original_max_position_embeddings=16,
+  beta_fast=32,
+  beta_slow=1,
+  mscale=0.707,
+  mscale_all_dim=0.707,
+)
+VARIANTS = {
+  "v3": dict(),
+  "no_q_lora_yarn": dict(q_lora_rank=None, rope_parameters=YARN, max_position_embeddings=1024),
+  "no_groups": dict(n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=2),
+}
+
+
+def hf_deepseek(tmp_path, **overrides):
+  config = transformers.DeepseekV3Config(**{**TINY_HF, **overrides}, attn_implementation="eager")
+  torch.manual_seed(0)
+  model = transformers.DeepseekV3ForCausalLM(config).eval()
+  with torch.no_grad():  # norms off 1, router and its bias off 0: a swapped tensor cannot pass
+    for name, param in model.named_parameters():
+      if "norm" in name or "gate.weight" in name:
+        param.add_(0.3 * torch.randn_like(param))
+    for name, buffer in model.named_buffers():
+      if "e_score_correction_bias" in name:
+        buffer.copy_(0.05 * torch.randn_like(buffer))
+  path = str(tmp_path / "deepseek")
+  model.save_pretrained(path)
+  return model, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", ["true", "false"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_converted_deepseek_matches_transformers_and_exports_back_exactly(tmp_path, variant, scan_layers):
+  model, path = hf_deepseek(tmp_path, **VARIANTS[variant])
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [f"scan_layers={scan_layers}"])
+  config = maxlite_config(step_dir, "sparse_matmul=false")
+  assert config.decoder_block == "deepseek" and config.attention_type == "mla"
+  params = maxlite_params(config, step_dir)
+  ids = token_ids(model.config.vocab_size)
+  with torch.no_grad():
+    expected = model(torch.tensor(ids)).logits.numpy()
+  for dispatch in ("sparse_matmul=false", "sparse_matmul=true"):
+    diff = np.abs(maxlite_logits(maxlite_config(step_dir, dispatch), params, ids) - expected).max()
+    print(f"deepseek {variant} {dispatch}: max abs logit difference {diff:.2e}")
+    assert diff <= 2e-5
+
+  prompt = [3, 200, 17, 91, 5]
+  decoding = maxlite_config(step_dir, "max_prefill_predict_length=8", "max_decode_steps=14")
+  ours, _ = generate(decoding, params, [prompt], eos_id=None)
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None)
+  assert ours[0] == theirs[0, len(prompt) :].tolist()
+
+  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
+  assert type(reloaded) is type(model)
+  original = model.state_dict()
+  assert set(reloaded.state_dict()) == set(original)
+  for name, tensor in reloaded.state_dict().items():
+    assert torch.equal(tensor, original[name]), name
+
+
+def test_deepseek_configs_have_transformers_parameter_count():
+  """deepseek3-671b against DeepseekV3ForCausalLM (whose routing bias is a buffer, counted here as a parameter) and
+  deepseek2-16b against DeepSeek-V2-Lite's DeepseekV2ForCausalLM, built on the meta device."""
+  from MaxLite import models
+
+  v3 = make_config("model_name=deepseek3-671b")
+  with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.for_model(**models.family("deepseek").hf.config(v3))
+    )
+  biases = sum(b.numel() for n, b in model.named_buffers() if "e_score_correction_bias" in n)
+  assert sum(p.numel() for p in model.parameters()) == 671_026_404_352
+  assert v3.num_params == 671_026_404_352 + biases
+
+  v2 = make_config("model_name=deepseek2-16b")
+  lite = transformers.DeepseekV2Config(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+  )
+  with torch.device("meta"):
+    model = transformers.DeepseekV2ForCausalLM(lite)
+  assert v2.num_params == sum(p.numel() for p in model.parameters()) == 15_706_484_224
+
+
+def _bias(params):
+  return np.asarray(params["decoder"]["moe_layers"]["moe"]["score_correction_bias"])
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.01])
+def test_routing_bias_moves_only_by_its_update_towards_balance(tmp_path, rate):
+  """One step: each MoE layer's bias entry moves by exactly +-rate or 0 (never by AdamW's decay, whatever
+  adam_weight_decay), up for the experts chosen least; rate 0 leaves it at 0."""
+  import jax
+
+  from MaxLite import builder
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training.train_state import create_train_state
+
+  config = make_config(
+    "model_name=tiny-deepseek",
+    f"routed_bias_update_rate={rate}",
+    "adam_weight_decay=0.5",
+    "max_target_length=32",
+    "per_device_batch_size=4",
+    "dataset_type=synthetic",
+    num_devices=1,
+  )
+
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh):
+    pieces = builder.training(config, mesh)
+    state = create_train_state(pieces.model, pieces.tx, config, pieces.shardings)
+    batch = {k: np.random.default_rng(0).integers(1, 100, (4, 32)).astype(np.int32) for k in BATCH_KEYS}
+    batch.update(inputs_segmentation=np.ones((4, 32), np.int32), targets_segmentation=np.ones((4, 32), np.int32))
+    batch.update(inputs_position=np.broadcast_to(np.arange(32), (4, 32)).astype(np.int32))
+    before = _bias(state.params)  # the step donates the state
+    _, extra = pieces.model.apply(
+      {"params": state.params},
+      batch["inputs"],
+      batch["inputs_position"],
+      batch["inputs_segmentation"],
+      mutable="intermediates",
+    )
+    counts = np.asarray(extra["intermediates"]["moe"][0]["expert_counts"])  # [MoE layers, experts] of this batch
+    new_state, _ = pieces.step(state, batch)
+  moved = _bias(new_state.params) - before
+  assert before.shape == counts.shape == (3, 8) and not before.any()
+  assert counts.sum() == 3 * 4 * 32 * 2  # every token's two choices in every MoE layer
+  expected = np.float32(rate) * np.sign(counts.mean(axis=-1, keepdims=True) - counts)
+  np.testing.assert_array_equal(moved, expected)
+  assert (moved > 0).any() == (moved < 0).any() == (rate > 0)
+
+
+@pytest.mark.parametrize(
+  "overrides, fragment",
+  [
+    (("n_routing_groups=3",), "n_routing_groups=3 must divide num_experts=8"),
+    (("topk_routing_group=5",), "topk_routing_group=5 <= n_routing_groups"),
+    (("num_experts=1",), "decoder_block=deepseek is a mixture of experts"),
+    (("first_num_dense_layers=4",), "first_num_dense_layers=4 must be in [0, base_num_decoder_layers=4)"),
+    (("routed_score_func=relu",), "routed_score_func='relu' is not one of"),
+    (("ici_pipeline_parallelism=2",), "pipeline parallelism needs one kind of layer"),
+  ],
+)
+def test_bad_deepseek_settings_fail_with_one_line(overrides, fragment):
+  with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
+    make_config("model_name=tiny-deepseek", *overrides, num_devices=2)
+  assert "\n" not in str(caught.value)
+
+
+DEEPSEEK = ("model_name=tiny-deepseek", "sparse_matmul=false")
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference(tmp_path_factory):
+  return _losses(_run(tmp_path_factory.mktemp("deepseek"), 1, *DEEPSEEK, "per_device_batch_size=8"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    ("ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_sequence_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"),
+    ("ici_fsdp_parallelism=8", "sparse_matmul=true", "megablox=false"),
+  ],
+  ids=["tensor4_fsdp2", "expert4_fsdp2", "sequence2_data2_fsdp2", "fsdp8_ragged_dot"],
+)
+def test_deepseek_layouts_match_single_device(tmp_path, deepseek_reference, mesh):
+  losses, grad_norms = _losses(_run(tmp_path, 8, *DEEPSEEK, "per_device_batch_size=1", *mesh))
+  np.testing.assert_allclose(losses, deepseek_reference[0], rtol=1e-5)
+  np.testing.assert_allclose(grad_norms, deepseek_reference[1], rtol=1e-5)
