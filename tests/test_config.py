@@ -198,7 +198,7 @@ def test_old_maxlite_key_names_map_to_maxtext_names_with_a_warning(capsys, tmp_p
     assert old not in config
 
 
-@pytest.mark.parametrize("key", ["enable_goodput_recording=false", "attention_type=global", "mesh_axes=[data]"])
+@pytest.mark.parametrize("key", ["enable_goodput_recording=false", "mtp_num_layers=1", "mesh_axes=[data]"])
 def test_maxtext_only_keys_name_themselves_as_unimplemented(key):
   with pytest.raises(ConfigError, match=r"is a MaxText key that MaxLite does not implement") as e:
     make_config(key)

@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from MaxLite import models
 from MaxLite.config import Config
 from MaxLite.layers.attention import soft_cap
 from MaxLite.layers.embeddings import Embed
@@ -35,7 +34,7 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, Any]:
     cfg = self.config
-    family = models.family(cfg.decoder_block)
+    family = decoder_family(cfg)
     layer = family.layer
     if cfg.remat_policy != "none" and not self.decode:  # decoding keeps no activations for a backward pass
       layer = nn.remat(layer, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
@@ -70,7 +69,7 @@ class Decoder(nn.Module):
 
     # The parameters were created by the scanned stack above (so checkpoints are layout-independent);
     # here each layer is applied functionally to its slice of them.
-    family = models.family(cfg.decoder_block)
+    family = decoder_family(cfg)
     (stack,) = family.stacks(cfg)  # the family's check allows pipelining only with one kind of layer
     layer = family.layer(cfg, self.deterministic, **stack.options)
 
@@ -91,6 +90,14 @@ class Decoder(nn.Module):
       microbatches=cfg.num_pipeline_microbatches,
     )
     return x, summarize_routing(aux)
+
+
+def decoder_family(cfg: Config) -> Any:
+  """The registered family of cfg.decoder_block (models/). Looked up when the model is traced: the families are built
+  from these layers, so this module cannot import them when it is imported."""
+  from MaxLite import models
+
+  return models.family(cfg.decoder_block)
 
 
 def summarize_routing(per_layer: Any) -> Any:
@@ -129,13 +136,13 @@ class Transformer(nn.Module):
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
     x = embed(ids)
-    if models.family(cfg.decoder_block).scale_embeddings:  # Gemma: sqrt(width), rounded to the activation dtype
+    if decoder_family(cfg).scale_embeddings:  # Gemma: sqrt(width), rounded to the activation dtype
       x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
     x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
     x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, positions, segment_ids)
     if moe_aux is not None:
       self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
-    offset = models.family(cfg.decoder_block).norm_scale_offset
+    offset = decoder_family(cfg).norm_scale_offset
     x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, offset, name="decoder_norm")(x)
     if cfg.logits_via_embedding:
       if return_hidden:
