@@ -74,8 +74,9 @@ def hf_deepseek(tmp_path, **overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scan_layers", ["true", "false"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+  "variant, scan_layers", [("v3", "true"), ("v3", "false"), ("no_q_lora_yarn", "true"), ("no_groups", "true")]
+)
 def test_converted_deepseek_matches_transformers_and_exports_back_exactly(tmp_path, variant, scan_layers):
   model, path = hf_deepseek(tmp_path, **VARIANTS[variant])
   step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [f"scan_layers={scan_layers}"])
