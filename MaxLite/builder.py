@@ -20,13 +20,15 @@ from jax.sharding import Mesh
 
 from MaxLite.config import Config
 from MaxLite.layers.decoder import Transformer
+from MaxLite.layers.quantization import quantized
 from MaxLite.parallel import sharding as sharding_lib
 
 
 def model(config: Config, *, deterministic: bool = True, decode: bool = False) -> Transformer:
-  """The configured decoder. deterministic=False applies dropout (training with dropout_rate > 0); decode=True keeps
-  a KV cache (apply with mutable=["cache"])."""
-  return Transformer(config, deterministic=deterministic, decode=decode)
+  """The configured decoder, its projections quantized by Qwix with `quantization` (layers/quantization.py).
+  deterministic=False applies dropout (training with dropout_rate > 0); decode=True keeps a KV cache (apply with
+  mutable=["cache"])."""
+  return quantized(Transformer(config, deterministic=deterministic, decode=decode), config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,6 +100,33 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   return lowered, state_bytes
 
 
+LOW_PRECISION = ("s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
+_INSTRUCTION = re.compile(r"(?:ROOT )?%([\w.\-]+) = (\w+)\[")
+_DOT = re.compile(r"\b(?:dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\)")
+
+
+def dot_operand_types(hlo_text: str) -> dict[tuple[str, str], int]:
+  """How many dot (and convolution) instructions of a compiled module's text take each pair of operand types
+  (s8 x s8 for int8 matmuls, f8e4m3fn x ... for fp8), fused computations included. The text names operands without
+  their types, so each computation's instructions are read first."""
+  counts: dict[tuple[str, str], int] = {}
+  types: dict[str, str] = {}
+  for line in hlo_text.splitlines():
+    text = line.strip()
+    if text.endswith("{") and "=" not in text.split("(")[0]:  # a computation's header: its own names follow
+      types = {}
+      continue
+    instruction = _INSTRUCTION.match(text)
+    if instruction is None:
+      continue
+    types[instruction.group(1)] = instruction.group(2)
+    dot = _DOT.search(text)
+    if dot:
+      key = (types.get(dot.group(1), "?"), types.get(dot.group(2), "?"))
+      counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
 def out_of_memory(message: str) -> str | None:
   """The compiler's out-of-HBM error as one line with the shortfall, or None for other errors."""
   if "RESOURCE_EXHAUSTED" not in message:
@@ -206,6 +233,20 @@ def report(
       config.attention_kernel,
     )
     lines += ["keys that would shrink the largest buffers:", *[f"  {h}" for h in hints]]
+  if config.quantization and target.chip is not None:
+    from MaxLite.layers.quantization import native_path_note
+
+    chip = target.chip
+    note = native_path_note(config.quantization, chip.family, chip.peak_int8_tops, chip.peak_fp8_tflops)
+    lines += [note] if note else []
+  if config.quantization:
+    counts = dot_operand_types(compiled.as_text())
+    low = sum(n for types, n in counts.items() if all(t in LOW_PRECISION for t in types))
+    kinds = ", ".join(f"{n} {' x '.join(types)}" for types, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    lines += [
+      f"dots in the compiled program (a scanned layer's once): {low} of {sum(counts.values())} in "
+      f"{config.quantization} ({kinds})"
+    ]
   lines += [
     f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
     "(compiled includes rematerialisation and non-matmul work"

@@ -11,6 +11,7 @@ MaxText's, by the same names, so a MaxText command line keeps its meaning.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -34,6 +35,16 @@ ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_f
 ROPE_TYPES = ("default", "llama3.1", "yarn")
 PROFILERS = ("", "xplane")
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+QUANTIZATIONS = ("", "int8", "fp8", "fp8_full")  # quantized training through Qwix (layers/quantization.py)
+# Qwix's calibration methods (qwix/_src/core/qarray.py calibrate): absmax or minmax with an optional scale, rms with
+# a scale, fixed with a range.
+_NUMBER = r"-?\d+(\.\d*)?(e-?\d+)?"
+CALIBRATION_METHOD = re.compile(rf"(absmax|minmax)(,{_NUMBER})?|rms,{_NUMBER}|fixed,({_NUMBER},)?{_NUMBER}")
+CALIBRATION_KEYS = (
+  "weight_quantization_calibration_method",
+  "act_quantization_calibration_method",
+  "bwd_quantization_calibration_method",
+)
 # train_data_columns (MaxText's key) of each post-training record kind; the first of a kind is its default.
 SFT_COLUMNS = (("messages",), ("prompt", "completion"))
 DPO_COLUMNS = (("prompt", "chosen", "rejected"), ("chosen", "rejected"))

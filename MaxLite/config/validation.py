@@ -17,6 +17,8 @@ from MaxLite.config import attention_choice, post_training
 from MaxLite.config.choices import (
   ATTENTION,
   AXIS_KEY,
+  CALIBRATION_KEYS,
+  CALIBRATION_METHOD,
   DATASET_TYPES,
   DECODE_SAMPLING_STRATEGIES,
   DTYPES,
@@ -25,6 +27,7 @@ from MaxLite.config.choices import (
   MESH_AXES,
   PLACEMENTS,
   PROFILERS,
+  QUANTIZATIONS,
   REMAT_NAMES,
   REMAT_POLICIES,
   ROPE_TYPES,
@@ -118,6 +121,28 @@ def _check_choices(c: dict[str, Any]) -> None:
       raise ConfigError(
         f"logical_axis_rules: {rule[0]!r} maps to unknown mesh axis {unknown[0]!r}; "
         f"mesh axes are {', '.join(MESH_AXES)}"
+      )
+
+
+def _check_quantization(c: dict[str, Any]) -> None:
+  if c["quantization"] not in QUANTIZATIONS:
+    raise ConfigError(
+      f"quantization={c['quantization']!r} is not one of: {', '.join(repr(q) for q in QUANTIZATIONS)} (Qwix's "
+      "quantized training; int4 and the other MaxText modes are not supported)"
+    )
+  for value in c["plan_quantizations"]:
+    if value not in QUANTIZATIONS:
+      raise ConfigError(f"plan_quantizations: {value!r} is not one of: {', '.join(repr(q) for q in QUANTIZATIONS)}")
+  if c["quantization"] and not c["use_qwix_quantization"]:
+    raise ConfigError(
+      f"quantization={c['quantization']} needs use_qwix_quantization=true (MaxLite quantizes with Qwix; MaxText's "
+      "false selects AQT, which MaxLite does not have)"
+    )
+  for key in CALIBRATION_KEYS:
+    if not CALIBRATION_METHOD.fullmatch(c[key].lower()):
+      raise ConfigError(
+        f"{key}={c[key]!r} is not a Qwix calibration method: absmax, absmax,SCALE, minmax, minmax,SCALE, rms,SCALE, "
+        "fixed,MAX or fixed,MIN,MAX"
       )
 
 
@@ -443,6 +468,7 @@ def validate_and_derive(
   """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
+  _check_quantization(c)
   _check_data_files(c)
   c.update(post_training.derive(c))
   _check_positive(c)

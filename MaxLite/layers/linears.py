@@ -95,15 +95,20 @@ class DenseGeneral(nn.Module):
       # the backward pass of this form about twice as fast as the same dot with 3D operands. Not when
       # the sequence is split: merging a split batch with a split sequence makes GSPMD regather.
       rows = x.shape[: x.ndim - n_in]
-      y = jnp.dot(
+      # lax.dot_general, not jnp.dot: jnp.dot is jitted inside jax, and its trace cache would hide the call from Qwix
+      # (layers/quantization.py) or hand a quantized trace to an unquantized model.
+      y = jax.lax.dot_general(
         x.reshape(-1, math.prod(in_dims)),
         kernel.reshape(math.prod(in_dims), -1),
+        (((1,), (0,)), ((), ())),
         preferred_element_type=self.output_dtype,
       )
       y = y.reshape(*rows, *features)
     else:
       contract = (axis, tuple(range(n_in)))
       y = jax.lax.dot_general(x, kernel, (contract, ((), ())), preferred_element_type=self.output_dtype)
+    if self.output_dtype is not None:  # a quantized dot (Qwix) returns the inputs' type whatever it was asked for
+      y = y.astype(self.output_dtype)
     if not self.use_bias:
       return y
     bias_init = nn.with_logical_partitioning(nn.initializers.zeros, tuple(self.logical_axes)[n_in:])

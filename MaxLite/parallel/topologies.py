@@ -28,6 +28,16 @@ class Chip:
   ici_link_gbytes_per_s: float  # one inter-chip link, one way, at the rate a collective's payload moves over it
   dcn_gbits_per_s: float  # data-center network share of one chip (between slices)
   pcie_gbytes_per_s: float = 15.0  # host memory <-> chip (host offload)
+  peak_int8_tops: float = 0.0  # int8 matmuls (0 = none faster than bf16)
+  peak_fp8_tflops: float = 0.0  # fp8 matmuls (0 = no native fp8: fp8 runs emulated, at best at the bf16 rate)
+
+  def peak_flops(self, operand_type: str) -> float:
+    """FLOP/s of a matmul whose operands are of this HLO type (s8, f8e4m3fn, bf16, ...) at the chip's peak."""
+    if operand_type in ("s8", "u8") and self.peak_int8_tops:
+      return self.peak_int8_tops * 1e12
+    if operand_type.startswith("f8") and self.peak_fp8_tflops:
+      return self.peak_fp8_tflops * 1e12
+    return self.peak_bf16_tflops * 1e12
 
   @property
   def ici_send_bytes_per_s(self) -> float:
@@ -47,11 +57,13 @@ class Chip:
 # (4x2): 50 and 25 Gbit/s per chip.
 # HBM of v5p and v5e: what libtpu's compiler lets one program use, from its RESOURCE_EXHAUSTED message here ("95.74G
 # hbm", "15.75G hbm"), not the nominal 95 / 16 GiB: a program between 15.75 and 16 GiB does not run on a v5e chip.
+# int8: Cloud TPU's published per-chip peaks (the same system architecture pages): v4 275 (no faster than bf16),
+# v5p 918, v5e 394, v6e 1836 TOPS. None of these four has an fp8 matrix unit (Ironwood, v7, is the first).
 CHIPS = {
-  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 45.0, 50.0),
-  "v5p": Chip("v5p", 2, 3, int(95.74 * GiB), 459.0, "megacore", 2765.0, 86.3, 50.0),
-  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 45.0, 25.0),
-  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 86.8, 25.0, 32.0),
+  "v4": Chip("v4", 2, 3, 32 * GiB, 275.0, "megacore", 1200.0, 45.0, 50.0, peak_int8_tops=275.0),
+  "v5p": Chip("v5p", 2, 3, int(95.74 * GiB), 459.0, "megacore", 2765.0, 86.3, 50.0, peak_int8_tops=918.0),
+  "v5e": Chip("v5e", 1, 2, int(15.75 * GiB), 197.0, None, 819.0, 45.0, 25.0, peak_int8_tops=394.0),
+  "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 86.8, 25.0, 32.0, peak_int8_tops=1836.0),
 }
 
 

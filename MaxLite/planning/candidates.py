@@ -88,12 +88,17 @@ def enumerate_plans(raw: dict[str, Any], target: Target, num_slices: int, pinned
     batches = [(global_batch / total / ga, ga) for ga in (1, 2, 4, 8, 16) if (global_batch / total / ga) * total >= 1]
   else:
     batches = [(b, 1) for b in BATCHES]
+  # plan_quantizations: quantized training as a dimension (bf16 and int8 side by side); else the config's own.
+  quantizations = list(raw["plan_quantizations"]) if "quantization" not in pinned else []
+  quantizations = quantizations or [raw["quantization"]]
   plans = []
-  for mesh, remat, attention, (batch, accumulation) in itertools.product(
-    layouts(raw, devices, pinned), remats, attentions, batches
+  for mesh, remat, attention, (batch, accumulation), quantization in itertools.product(
+    layouts(raw, devices, pinned), remats, attentions, batches, quantizations
   ):
     overrides = {MESH_KEYS[a]: n for a, n in mesh.items()}
     overrides.update(remat, attention=attention, per_device_batch_size=batch)
+    if quantization != raw["quantization"]:
+      overrides.update(quantization=quantization, use_qwix_quantization=bool(quantization))
     overrides["gradient_accumulation_steps"] = accumulation
     if mesh["stage"] > 1:
       for microbatches in (mesh["stage"], 2 * mesh["stage"]):

@@ -88,6 +88,20 @@ class Op:
   attention: tuple = ()
   assumed: str = ""  # what the reader had to assume for this op (the text did not say), "" if nothing
   across_slices: bool = False  # a megascale transfer: over the data-center network whatever its axes
+  # matmul FLOPs per run by operand type where the operands are not bf16/f32 ({"s8": ...} for int8 dots): costed at the
+  # chip's rate for that type (quantized training)
+  typed_flops: dict = dataclasses.field(default_factory=dict)
+
+
+_LOW_PRECISION = re.compile(r"(s8|u8|f8\w*)\[")
+
+
+def _low_precision_type(instr: Instr, shapes: dict[str, str]) -> str:
+  """The operand type of a matmul whose operands are all int8 or fp8 ("s8", "f8e4m3fn", ...), else ""."""
+  if instr.opcode not in ("dot", "convolution") or len(instr.operands) < 2:
+    return ""
+  kinds = [_LOW_PRECISION.match(shapes.get(o, "")) for o in instr.operands[:2]]
+  return kinds[0].group(1) if all(kinds) else ""
 
 
 def _matmul_flops(instr: Instr, shapes: dict[str, str]) -> float:
@@ -221,16 +235,25 @@ def device_ops(
   computations, shapes, entry = parse_computations(text)
   runs, scheduled, loops_assumed = run_counts(computations, entry)
   flops_in: dict[str, float] = {}
+  typed_in: dict[str, dict[str, float]] = {}
 
   def computation_flops(name: str) -> float:  # matmul FLOPs of a fusion body, nested fusions included
     if name not in flops_in:
       flops_in[name] = 0.0  # guards against recursion
-      total = 0.0
+      typed_in[name] = {}
+      total, typed = 0.0, {}
       for instr in computations.get(name, []):
-        total += _matmul_flops(instr, shapes)
+        flops = _matmul_flops(instr, shapes)
+        total += flops
+        kind = _low_precision_type(instr, shapes)
+        if kind:
+          typed[kind] = typed.get(kind, 0.0) + flops
         if instr.opcode == "fusion":
-          total += sum(computation_flops(c) for _, c in called(instr.attrs))
-      flops_in[name] = total
+          for _, c in called(instr.attrs):
+            total += computation_flops(c)
+            for k, v in typed_in[c].items():
+              typed[k] = typed.get(k, 0.0) + v
+      flops_in[name], typed_in[name] = total, typed
     return flops_in[name]
 
   ops: list[Op] = []
@@ -265,8 +288,14 @@ def device_ops(
       op = Op(instr.name, instr.opcode, name, runs[name])
       op.hbm_bytes = _hbm_bytes(instr, computations, shapes)
       op.flops = _matmul_flops(instr, shapes)
+      kind = _low_precision_type(instr, shapes)
+      if kind:
+        op.typed_flops[kind] = op.flops
       if instr.opcode == "fusion":
-        op.flops += sum(computation_flops(c) for _, c in called(instr.attrs))
+        for _, c in called(instr.attrs):
+          op.flops += computation_flops(c)
+          for k, v in typed_in[c].items():
+            op.typed_flops[k] = op.typed_flops.get(k, 0.0) + v
       elif instr.opcode == "custom-call":
         op.flops += _custom_call_flops(instr)
         op.grouped_matmul = bool(_GROUPED_MATMUL.search(instr.attrs))

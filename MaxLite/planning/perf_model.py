@@ -146,6 +146,15 @@ class _InFlight:
   links: tuple  # what it shares with other transfers (Interconnect.links)
 
 
+def matmul_seconds(op: Op, chip: Chip) -> float:
+  """An op's matmul time at the chip's rates: int8 / fp8 FLOPs (quantized training) at that type's peak, the rest at
+  the bf16 peak."""
+  typed = sum(op.typed_flops.values())
+  seconds = (op.flops - typed) / (chip.peak_bf16_tflops * 1e12)
+  seconds += sum(flops / chip.peak_flops(kind) for kind, flops in op.typed_flops.items())
+  return seconds / MATMUL_EFFICIENCY
+
+
 def predict(
   ops: Sequence[Op], net: Interconnect, model_flops_per_device: float, tokens_per_device: float
 ) -> Prediction:
@@ -194,7 +203,7 @@ def predict(
       if op.runs_inside:  # a loop or call: its ops are costed in their own computations; its time hides collectives
         seconds = sum(walk(c) * by_computation[c][0].runs / op.runs for c in op.runs_inside if by_computation.get(c))
       else:
-        flops_s, bytes_s = op.flops / (peak * MATMUL_EFFICIENCY), op.hbm_bytes / hbm
+        flops_s, bytes_s = matmul_seconds(op, net.chip), op.hbm_bytes / hbm
         seconds = max(flops_s, bytes_s)
         totals["compute_s" if flops_s >= bytes_s else "memory_s"] += seconds * runs
       took += seconds

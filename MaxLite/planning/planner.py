@@ -90,7 +90,8 @@ def describe(plan: candidates.Candidate) -> str:
   accumulate = f" x{c['gradient_accumulation_steps']}acc" if c["gradient_accumulation_steps"] > 1 else ""
   micro = f" mb{c['num_pipeline_microbatches']}" if c["num_pipeline_stages"] > 1 else ""
   batch = f"b{c['per_device_batch_size']:g}{accumulate}{micro}"
-  return f"{mesh or 'single'} | {remat_label(c)} | {c['attention_kernel']} | {batch}"
+  quantized = f" | {c['quantization']}" if c["quantization"] else ""
+  return f"{mesh or 'single'} | {remat_label(c)} | {c['attention_kernel']} | {batch}{quantized}"
 
 
 def remat_label(c: dict) -> str:

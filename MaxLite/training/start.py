@@ -47,6 +47,21 @@ def summarize(config: config_lib.Config) -> str:
   return "\n".join(lines)
 
 
+def _say_native_path(config: config_lib.Config) -> None:
+  import jax
+
+  from MaxLite.layers.quantization import native_path_note
+
+  device = jax.devices()[0]
+  tpu = device.platform == "tpu"
+  family = topologies.family_of_accelerator(os.environ.get("TPU_ACCELERATOR_TYPE", "")) if tpu else None
+  chip = topologies.CHIPS.get(family) if family else None
+  name = family or device.platform
+  note = native_path_note(config.quantization, name, *((chip.peak_int8_tops, chip.peak_fp8_tflops) if chip else (0, 0)))
+  if note and jax.process_index() == 0:
+    print(note, flush=True)
+
+
 def run(argv: Sequence[str]) -> None:
   """Train with the config of `argv` (CONFIG.yml key=value ...), in this process."""
   raw = config_lib.load_raw(argv, resuming=True)
@@ -67,6 +82,8 @@ def run(argv: Sequence[str]) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
   logging.info("config:\n%s", summarize(config))
   logging.info("attention kernel %s (%s)", config.attention_kernel, config.attention_choice)
+  if config.quantization:
+    _say_native_path(config)
   from MaxLite.training.trainer import train
 
   train(config, lock=run_lock.hold)  # taken once the run's inputs are checked: a failing run writes nothing
