@@ -18,6 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite import models
+from MaxLite.checkpoint import hf_layout
 from MaxLite.checkpoint.hf_layout import Tensor
 from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.config import Config
@@ -225,16 +226,6 @@ def layer_tensors(config: Any, layer: int) -> list[Tensor]:
   return out
 
 
-def global_tensors(config: Any) -> list[Tensor]:
-  out = [
-    Tensor("token_embedder/embedding", "model.embed_tokens.weight", *_SAME),
-    Tensor("decoder_norm/scale", "model.norm.weight", *_SAME),
-  ]
-  if not config.logits_via_embedding:
-    out.append(Tensor("logits_dense/kernel", "lm_head.weight", *_T))
-  return out
-
-
 def _rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
   rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -370,7 +361,7 @@ models.register(
       settings=settings_from_hf,
       config=hf_config,
       layer_tensors=layer_tensors,
-      global_tensors=global_tensors,
+      global_tensors=lambda config: hf_layout.global_tensors(config.logits_via_embedding),
     ),
     check=check,
     stacks=stacks,

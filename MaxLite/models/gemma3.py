@@ -125,16 +125,6 @@ def layer_tensors(config: Any, layer: int) -> list[Tensor]:
   return out
 
 
-def global_tensors(config: Any) -> list[Tensor]:
-  out = [
-    Tensor("token_embedder/embedding", "model.embed_tokens.weight", *_SAME),
-    Tensor("decoder_norm/scale", "model.norm.weight", *_SAME),
-  ]
-  if not config.logits_via_embedding:
-    out.append(Tensor("logits_dense/kernel", "lm_head.weight", *_T))
-  return out
-
-
 def _rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
   """Both layer kinds' RoPE from transformers 5's rope_parameters (per layer kind) or 4's rope_theta /
   rope_local_base_freq / rope_scaling."""
@@ -248,7 +238,7 @@ models.register(
       settings=settings_from_hf,
       config=hf_config,
       layer_tensors=layer_tensors,
-      global_tensors=global_tensors,
+      global_tensors=lambda config: hf_layout.global_tensors(config.logits_via_embedding),
     ),
     check=check,
     scale_embeddings=True,
