@@ -20,15 +20,18 @@ from jax.sharding import Mesh
 
 from MaxLite.config import Config
 from MaxLite.layers.decoder import Transformer
+from MaxLite.layers.lora import init_scope, with_lora
 from MaxLite.layers.quantization import quantized
 from MaxLite.parallel import sharding as sharding_lib
 
 
-def model(config: Config, *, deterministic: bool = True, decode: bool = False) -> Transformer:
-  """The configured decoder, its projections quantized by Qwix with `quantization` (layers/quantization.py).
+def model(config: Config, *, deterministic: bool = True, decode: bool = False, adapters: bool = True) -> Transformer:
+  """The configured decoder, its projections quantized by Qwix with `quantization` (layers/quantization.py) or
+  carrying LoRA adapters with enable_lora (layers/lora.py; adapters=False: the base model alone, DPO's reference).
   deterministic=False applies dropout (training with dropout_rate > 0); decode=True keeps a KV cache (apply with
   mutable=["cache"])."""
-  return quantized(Transformer(config, deterministic=deterministic, decode=decode), config)
+  decoder = quantized(Transformer(config, deterministic=deterministic, decode=decode), config)
+  return with_lora(decoder, config) if adapters else decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,8 @@ class Parameters:
 def _variables(model_: Transformer, config: Config, rng: jax.Array) -> Any:
   # lazy_init traces shapes only and keeps just the parameter computations: no forward pass is compiled.
   ids = jax.ShapeDtypeStruct((config.micro_batch_size, config.max_target_length), jnp.int32)
-  return model_.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)["params"]
+  with init_scope(config):
+    return model_.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)["params"]
 
 
 def _boxed_parameters(model_: Transformer, config: Config) -> Any:
@@ -98,6 +102,10 @@ def training(config: Config, mesh: Mesh) -> Training:
   model_ = model(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
   abstract, logical, device_shardings = abstract_state(model_, tx, config, mesh)
+  if config.enable_lora:
+    from MaxLite.layers.lora import check_matches
+
+    check_matches(abstract.params, config)
   shardings = sharding_lib.with_host_offload(device_shardings, config)
   batch_sharding = sharding_lib.batch_sharding(mesh, config)
   step = jit_train_step(config, shardings, batch_sharding, sharding_lib.replicated(mesh))

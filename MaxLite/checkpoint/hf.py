@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 
 from MaxLite import builder, models, storage
 from MaxLite import config as config_lib
-from MaxLite.checkpoint import STATE, saved_config_path
+from MaxLite.checkpoint import STATE, lora_steps, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.hf_layout import part_slice
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
@@ -183,7 +183,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   abstract = builder.abstract_parameters(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-  params = jax.tree.map(np.asarray, checkpointing.load_params(checkpoint_path, target))
+  params = jax.tree.map(np.asarray, lora_steps.load_params(checkpoint_path, target))
   dtype = np.dtype(config.weight_dtype)
   tensors = []
 

@@ -35,6 +35,7 @@ ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_f
 ROPE_TYPES = ("default", "llama3.1", "yarn")
 PROFILERS = ("", "xplane")
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+LORA_WEIGHT_QTYPES = ("", "nf4", "int8", "int4")  # QLoRA: how Qwix stores the frozen base (layers/lora.py)
 QUANTIZATIONS = ("", "int8", "fp8", "fp8_full")  # quantized training through Qwix (layers/quantization.py)
 # Qwix's calibration methods (qwix/_src/core/qarray.py calibrate): absmax or minmax with an optional scale, rms with
 # a scale, fixed with a range.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from MaxLite.config.choices import (
   DTYPES,
   FILE_SUFFIXES,
   FILE_TYPES,
+  LORA_WEIGHT_QTYPES,
   MESH_AXES,
   PLACEMENTS,
   PROFILERS,
@@ -122,6 +124,36 @@ def _check_choices(c: dict[str, Any]) -> None:
         f"logical_axis_rules: {rule[0]!r} maps to unknown mesh axis {unknown[0]!r}; "
         f"mesh axes are {', '.join(MESH_AXES)}"
       )
+
+
+def _check_lora(c: dict[str, Any]) -> None:
+  if not c["enable_lora"]:
+    for key in ("lora_restore_path", "hf_lora_adapter_path"):
+      if c[key]:
+        raise ConfigError(f"{key} is set but enable_lora=false: set enable_lora=true to train or decode with adapters")
+    return
+  if c["lora_rank"] <= 0:
+    raise ConfigError(f"lora_rank must be a positive integer with enable_lora=true, got {c['lora_rank']}")
+  if c["lora_alpha"] <= 0:
+    raise ConfigError(f"lora_alpha must be positive with enable_lora=true, got {c['lora_alpha']}")
+  if c["lora_weight_qtype"] not in LORA_WEIGHT_QTYPES:
+    shown = ", ".join(repr(q) for q in LORA_WEIGHT_QTYPES)
+    raise ConfigError(f"lora_weight_qtype={c['lora_weight_qtype']!r} is not one of: {shown}")
+  if c["lora_tile_size"] < 0:
+    raise ConfigError(f"lora_tile_size must be 0 (per channel) or a positive tile, got {c['lora_tile_size']}")
+  try:
+    re.compile(c["lora_module_path"])
+  except re.error as e:
+    raise ConfigError(f"lora_module_path={c['lora_module_path']!r} is not a regular expression: {e}") from None
+  if c["lora_restore_path"] and c["hf_lora_adapter_path"]:
+    raise ConfigError("lora_restore_path and hf_lora_adapter_path are both set: start the adapters from one of them")
+  if c["quantization"]:
+    raise ConfigError(
+      f"enable_lora=true with quantization={c['quantization']}: the frozen base is quantized with lora_weight_qtype "
+      "(QLoRA); quantized training of the adapters is not supported"
+    )
+  if c["enable_emergency_checkpoint"]:
+    raise ConfigError("enable_lora=true with enable_emergency_checkpoint=true is not supported: use orbax checkpoints")
 
 
 def _check_quantization(c: dict[str, Any]) -> None:
@@ -469,6 +501,7 @@ def validate_and_derive(
   c = dict(c)
   _check_choices(c)
   _check_quantization(c)
+  _check_lora(c)
   _check_data_files(c)
   c.update(post_training.derive(c))
   _check_positive(c)

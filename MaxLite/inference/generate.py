@@ -18,6 +18,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import builder, storage
 from MaxLite import config as config_lib
+from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data.tokenizer import load_tokenizer
@@ -133,7 +134,7 @@ def load_params(config: Any, mesh: Any) -> Any:
     print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
     return builder.random_parameters(config, params)
   target = checkpointing.sharded_target(params.abstract, params.shardings)
-  return checkpointing.load_params(config.load_parameters_path, target)
+  return lora_steps.load_params(config.load_parameters_path, target)
 
 
 def _fit_prompts(config: Any, tokenizer: Any, texts: Sequence[str]) -> tuple[list[list[int]], list[str]]:

@@ -86,7 +86,8 @@ class Checkpointer:
       if self._guard is not None:
         self._guard.before_save(step)
       self._check_finite(step, state, log.rows[-1])
-      self._saves.save(step, state, batches, self._config, force=must_save)
+      saved = state if state.frozen is None else state.replace(frozen=None)  # LoRA: the adapters, not the base
+      self._saves.save(step, saved, batches, self._config, force=must_save)
       log.store()
     if preempted:
       logging.info("preempted: saved a checkpoint at step %d, stopping", step)

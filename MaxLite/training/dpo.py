@@ -50,8 +50,9 @@ def response_log_probs(token_log_probs: jax.Array, target_segments: jax.Array) -
 
 def reference_log_probs(reference: Any, batch: dict[str, jax.Array], config: Config) -> tuple[jax.Array, jax.Array]:
   """(chosen, rejected), each [batch, pairs]: the frozen reference's summed log-probabilities of each pair's
-  responses, from its own deterministic forward pass (no dropout, no gradient)."""
-  logits = builder.model(config).apply(
+  responses, from its own deterministic forward pass (no dropout, no gradient). With LoRA the reference is the frozen
+  base with the adapters off: the model without them, so no second copy of the weights exists."""
+  logits = builder.model(config, adapters=False).apply(
     {"params": jax.lax.stop_gradient(reference)},
     batch["inputs"],
     batch["inputs_position"],

@@ -16,6 +16,7 @@ from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.training.dpo import REWARD_METRICS
 from MaxLite.training.metrics import StepLog
+from MaxLite.training.train_state import model_params
 from MaxLite.training.train_step import jit_eval_step
 
 
@@ -64,10 +65,16 @@ class NoEvaluator:
 class Evaluator:
   """The jitted eval step and the run's eval iterator, made once and rewound for every eval."""
 
-  def __init__(self, config: Config, mesh: jax.sharding.Mesh, param_shardings: Any, batch_sharding: Any):
+  def __init__(self, config: Config, mesh: jax.sharding.Mesh, state_shardings: Any, batch_sharding: Any):
     self._config, self._mesh = config, mesh
+    reference = state_shardings.frozen if config.enable_lora else None  # LoRA: DPO's reference is the base
     self._eval_fn = jit_eval_step(
-      config, builder.model(config).apply, param_shardings, batch_sharding, sharding_lib.replicated(mesh)
+      config,
+      builder.model(config).apply,
+      model_params(state_shardings),
+      batch_sharding,
+      sharding_lib.replicated(mesh),
+      reference,
     )
     self._batches = input_pipeline.make_iterator(config, mesh, "eval")
 
@@ -75,7 +82,8 @@ class Evaluator:
     if step % self._config.eval_interval != 0:
       return
     log.flush()  # the step's own row comes before its eval row
-    metrics = evaluate(self._config, self._mesh, self._eval_fn, state.params, self._batches, state.reference)
+    reference = state.frozen if state.frozen is not None else state.reference
+    metrics = evaluate(self._config, self._mesh, self._eval_fn, model_params(state), self._batches, reference)
     log.record_eval(step, metrics)
 
   def __enter__(self) -> Evaluator:
@@ -85,7 +93,8 @@ class Evaluator:
     self._batches.close()
 
 
-def make_evaluator(config: Config, mesh: jax.sharding.Mesh, param_shardings: Any, batch_sharding: Any) -> Any:
+def make_evaluator(config: Config, mesh: jax.sharding.Mesh, state_shardings: Any, batch_sharding: Any) -> Any:
+  """`state_shardings`: the train state's (its parameters', and with LoRA its frozen base's)."""
   if config.eval_interval > 0 and (config.dataset_type == "synthetic" or config.grain_eval_files):
-    return Evaluator(config, mesh, param_shardings, batch_sharding)
+    return Evaluator(config, mesh, state_shardings, batch_sharding)
   return NoEvaluator()

@@ -14,6 +14,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 from MaxLite.config import Config
+from MaxLite.layers import lora
 from MaxLite.parallel.sharding import logical_to_sharding, unbox
 
 
@@ -24,11 +25,12 @@ class TrainState(train_state.TrainState):
   flattens exactly as flax's does, so checkpoints written before the field existed still restore."""
 
   reference: Any = None
+  frozen: Any = None  # LoRA: the base parameters, never updated nor saved; `params` are then the adapters alone
   _flax_dataclass = True  # flax's own dataclass registration is skipped: _flatten below decides the tree
 
 
 def _flatten(state: TrainState) -> tuple[list, tuple]:
-  names = ("step", "params", "opt_state") + (("reference",) if state.reference is not None else ())
+  names = ("step", "params", "opt_state") + tuple(n for n in ("reference", "frozen") if getattr(state, n) is not None)
   children = [(jax.tree_util.GetAttrKey(name), getattr(state, name)) for name in names]
   return children, (state.apply_fn, state.tx, names)
 
@@ -46,15 +48,25 @@ def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Conf
   # compiled initialiser holds no forward pass (it compiles several times faster).
   shape = (config.micro_batch_size, config.max_target_length)
   ids = jax.ShapeDtypeStruct(shape, jnp.int32)
-  variables = model.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)
+  with lora.init_scope(config):
+    variables = model.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)
   return _new_state(model, tx, config, variables["params"])
+
+
+def model_params(state: TrainState) -> Any:
+  """The parameters the model is applied with: with LoRA the frozen base and the adapters joined."""
+  return state.params if state.frozen is None else lora.merge(state.frozen, state.params)
 
 
 def _new_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, params: Any) -> TrainState:
   # A strongly typed step (TrainState.create's is a weakly typed Python 0) keeps the train step's
   # input types the same whether the state was just created or restored from a checkpoint, so both
   # runs execute one identical compiled program and resume bit for bit.
-  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, reference=params if config.use_dpo else None)
+  if config.enable_lora:  # the optimizer sees the adapters alone; DPO's reference is the base with adapters off
+    adapters, frozen = lora.split(params)
+    state = TrainState.create(apply_fn=model.apply, params=adapters, tx=tx, frozen=frozen)
+  else:
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, reference=params if config.use_dpo else None)
   return state.replace(step=jnp.zeros((), jnp.int32))
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxLite.config import Config
+from MaxLite.layers import lora
 from MaxLite.layers.decoder import logits_dtype
 from MaxLite.parallel.sharding import on_device
 from MaxLite.training import dpo, loss
@@ -87,9 +88,16 @@ def _microbatches(batch: Batch, n: int) -> Batch:
 
 
 def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) -> tuple[Any, dict]:
+  """Gradients of the summed loss with respect to state.params: with LoRA the adapters alone (the frozen base is a
+  constant of the differentiated function, so it has no gradient), and DPO's reference is that base."""
+  reference = state.frozen if state.frozen is not None else state.reference
+
+  def loss_fn(params: Any, micro: Batch, micro_rng: jax.Array) -> tuple:
+    full = params if state.frozen is None else lora.merge(state.frozen, params)
+    return batch_loss_sums(full, state.apply_fn, micro, micro_rng, config, reference)
+
   def grad_fn(micro: Batch, micro_rng: jax.Array) -> tuple:
-    loss_fn = functools.partial(batch_loss_sums, config=config, reference=state.reference)
-    return jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.apply_fn, micro, micro_rng)
+    return jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro, micro_rng)
 
   n = config.gradient_accumulation_steps
   if n == 1:
@@ -163,12 +171,19 @@ def _with_bias(layer: Any, bias: jax.Array) -> Any:
 
 
 def eval_step(
-  params: Any, batch: Batch, reference: Any = None, *, apply_fn: Any, config: Config, shardings: Any = None
+  params: Any,
+  batch: Batch,
+  reference: Any = None,
+  *,
+  apply_fn: Any,
+  config: Config,
+  shardings: Any = None,
+  reference_shardings: Any = None,
 ) -> dict:
   """The loss sums of one eval batch; `reference` only with use_dpo."""
   if shardings is not None:
     params = on_device(params, shardings)
-    reference = None if reference is None else on_device(reference, shardings)
+    reference = None if reference is None else on_device(reference, reference_shardings or shardings)
   _, aux = batch_loss_sums(params, apply_fn, batch, jax.random.key(0), config, reference)
   aux.pop("expert_counts", None)  # only training moves the routing bias; eval reports scalars
   return aux
@@ -207,10 +222,21 @@ def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, re
   )
 
 
-def jit_eval_step(config: Config, apply_fn: Any, param_shardings: Any, batch_sharding: Any, replicated: Any):
+def jit_eval_step(
+  config: Config,
+  apply_fn: Any,
+  param_shardings: Any,
+  batch_sharding: Any,
+  replicated: Any,
+  reference_shardings: Any = None,
+):
+  """DPO's frozen reference is a third argument, sharded like the parameters unless `reference_shardings` says
+  otherwise (LoRA: the base alone)."""
+  reference_shardings = param_shardings if reference_shardings is None else reference_shardings
   return jax.jit(
-    functools.partial(eval_step, apply_fn=apply_fn, config=config, shardings=param_shardings),
-    # DPO's frozen reference is a third argument, sharded like the parameters.
-    in_shardings=(param_shardings, batch_sharding) + ((param_shardings,) if config.use_dpo else ()),
+    functools.partial(
+      eval_step, apply_fn=apply_fn, config=config, shardings=param_shardings, reference_shardings=reference_shardings
+    ),
+    in_shardings=(param_shardings, batch_sharding) + ((reference_shardings,) if config.use_dpo else ()),
     out_shardings=replicated,
   )

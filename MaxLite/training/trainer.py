@@ -17,11 +17,13 @@ from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import builder, storage
+from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
+from MaxLite.training import lora_training
 from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer
 from MaxLite.training.evaluation import make_evaluator
 from MaxLite.training.metrics import StepLog
@@ -56,6 +58,8 @@ def initial_state(
   init (with load_parameters_path's params if set)."""
   model, tx, shardings = pieces.model, pieces.tx, pieces.shardings
   target = checkpointing.sharded_target(pieces.abstract, shardings)
+  if config.enable_lora:
+    return lora_training.initial_state(config, pieces, target, checkpointer or NoCheckpointer(), batches)
   resumed = (checkpointer or NoCheckpointer()).restore_newest(target, batches)
   if resumed is not None:
     state, step = resumed
@@ -69,7 +73,7 @@ def initial_state(
     logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
     return state, int(state.step)
   if config.load_parameters_path:
-    params = checkpointing.load_params(config.load_parameters_path, target.params)
+    params = lora_steps.load_params(config.load_parameters_path, target.params)
     logging.info("loaded parameters from %s (fresh optimizer, step 0)", config.load_parameters_path)
     return state_from_params(model, tx, config, params, shardings), 0
   return create_train_state(model, tx, config, shardings), 0
@@ -110,7 +114,7 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
     if start_step >= config.steps:
       _say(_nothing_to_do(config, start_step))
       return []
-    evaluator = stack.enter_context(make_evaluator(config, mesh, pieces.shardings.params, pieces.batch_sharding))
+    evaluator = stack.enter_context(make_evaluator(config, mesh, pieces.shardings, pieces.batch_sharding))
     log = stack.enter_context(StepLog(config, guard))
     profiler = stack.enter_context(Profiler(config))
     step = start_step

@@ -1,0 +1,190 @@
+"""LoRA through Qwix (enable_lora): only the adapters train and are saved, a run resumes bit for bit, SFT and DPO
+with adapters learn, DPO's reference is the base with the adapters off, bad keys are one line."""
+
+import math
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, first_devices, make_config
+
+from MaxLite.checkpoint.manager import saved_arrays
+from MaxLite.cli.errors import ConfigError
+from MaxLite.training.trainer import train
+
+pytest.importorskip("qwix")
+
+COMMON = (
+  "model_name=tiny",
+  "max_target_length=64",
+  "per_device_batch_size=4",
+  "enable_tensorboard=false",
+  "learning_rate=3e-3",
+  "warmup_steps_fraction=0.0",
+)
+LORA = ("enable_lora=true", "lora_rank=4", "lora_alpha=8")
+POST = os.path.join(REPO, "assets", "post_training")
+CHAT = (
+  "tokenizer_type=huggingface",
+  f"tokenizer_path={os.path.join(REPO, 'assets', 'tokenizer', 'chat')}",
+  "use_chat_template=true",
+  "dataset_type=grain",
+  "grain_file_type=jsonl",
+)
+
+
+def _losses(rows):
+  return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  """A pretrained tiny model's step directory: the frozen base of the LoRA runs."""
+  out = tmp_path_factory.mktemp("base")
+  train(
+    make_config(*COMMON, "dataset_type=synthetic", "steps=2", f"base_output_directory={out}", "run_name=pre"),
+    first_devices(1),
+  )
+  return str(out / "pre" / "checkpoints" / "2")
+
+
+def _lora_run(tmp_path, base, name, *extra):
+  config = make_config(
+    *COMMON,
+    *LORA,
+    "dataset_type=grain",
+    "eval_interval=-1",
+    f"load_parameters_path={base}",
+    f"base_output_directory={tmp_path}",
+    f"run_name={name}",
+    "learning_rate_schedule_steps=6",
+    *extra,
+  )
+  return train(config, first_devices(1))
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_are_saved_and_resume_bit_for_bit(tmp_path, base):
+  straight = _lora_run(tmp_path, base, "a", "steps=6")
+  assert _losses(straight)[-1] < _losses(straight)[0]
+  first = _lora_run(tmp_path, base, "b", "steps=3")
+  second = _lora_run(tmp_path, base, "b", "steps=6")
+  assert [r["step"] for r in second if "loss" in r] == [4, 5, 6]
+  assert _losses(first) + _losses(second) == _losses(straight)  # bit for bit
+  # The checkpoint holds the adapters and their optimizer state, nothing of the base.
+  names = saved_arrays(str(tmp_path / "a" / "checkpoints" / "6" / "state"))
+  params = [n for n in names if n.startswith("params.")]
+  assert params and all(re.search(r"kernel_lora_[ab]$", n) for n in params), params
+  assert not any(n.startswith(("frozen.", "reference.")) for n in names)
+  assert all(re.search(r"kernel_lora_[ab]$", n) for n in names if n.startswith("opt_state.") and "mu" in n)
+
+
+@pytest.mark.slow
+def test_the_base_never_changes_and_gets_no_gradient(tmp_path, base):
+  """One step of the jitted train step: the adapters move, the frozen base comes back bit for bit."""
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite import builder
+  from MaxLite.data import BATCH_KEYS
+  from MaxLite.parallel import sharding as sharding_lib
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training.trainer import initial_state
+
+  config = make_config(
+    *COMMON, *LORA, "dataset_type=synthetic", f"load_parameters_path={base}", "lora_module_path=.*wo"
+  )
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    pieces = builder.training(config, mesh)
+    state, _ = initial_state(config, pieces)
+    before = jax.tree.map(np.asarray, (state.frozen, state.params))
+    ids = np.random.default_rng(0).integers(1, 8192, (4, 64)).astype(np.int32)
+    batch = {k: ids if "segmentation" not in k and "position" not in k else np.ones_like(ids) for k in BATCH_KEYS}
+    batch["inputs_position"] = np.broadcast_to(np.arange(64, dtype=np.int32), ids.shape).copy()
+    new, metrics = pieces.step(state, batch)
+    after = jax.tree.map(np.asarray, (new.frozen, new.params))
+  jax.tree.map(np.testing.assert_array_equal, after[0], before[0])
+  # Only the MLP's down projections carry adapters (lora_module_path=.*wo); B starts at zero, and both move.
+  assert {p[-2] for p in _paths(after[1])} == {"wo"}
+  moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(after[1]), jax.tree.leaves(before[1]))]
+  assert all(m > 0 for m in moved) and np.isfinite(float(metrics["loss"]))
+
+
+def _paths(tree):
+  from flax import traverse_util
+
+  return list(traverse_util.flatten_dict(tree))
+
+
+@pytest.mark.slow
+def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_learns(tmp_path, base):
+  common = (*COMMON, *CHAT, f"base_output_directory={tmp_path}", "max_target_length=256", "per_device_batch_size=2")
+  sft = train(
+    make_config(
+      *common,
+      *LORA,
+      "run_name=sft",
+      f"load_parameters_path={base}",
+      "use_sft=true",
+      "sft_train_on_completion_only=true",
+      f"grain_train_files={POST}/chats-train.jsonl",
+      f"grain_eval_files={POST}/chats-eval.jsonl",
+      "steps=20",
+      "eval_interval=10",
+      "eval_steps=2",
+    ),
+    first_devices(1),
+  )
+  evals = [r["eval_loss"] for r in sft if "eval_loss" in r]
+  print("SFT with LoRA, eval loss at steps 10 and 20:", evals)
+  assert evals[-1] < evals[0]
+  pairs = tmp_path / "pairs.jsonl"  # the first 4 shipped pairs, learnt and evaluated
+  with open(f"{POST}/preferences-train.jsonl") as f:
+    pairs.write_text("".join(f.readline() for _ in range(4)))
+  dpo = train(
+    make_config(
+      *common,
+      *LORA,
+      "run_name=dpo",
+      "use_dpo=true",
+      "learning_rate=1e-2",
+      f"load_parameters_path={tmp_path}/sft/checkpoints/20",  # a LoRA step: the base with its adapters merged
+      f"grain_train_files={pairs}",
+      f"grain_eval_files={pairs}",
+      "steps=16",
+      "eval_interval=16",
+      "eval_steps=2",
+    ),
+    first_devices(1),
+  )
+  np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)  # adapters at zero: the policy is the reference
+  (final,) = [r for r in dpo if "eval_loss" in r]
+  print("DPO with LoRA after 16 steps on 4 shipped pairs:", final)  # at step 0 every reward is 0: accuracy 0
+  assert final["eval_rewards/accuracies"] > 0.5 and final["eval_loss"] < math.log(2)
+
+
+@pytest.mark.parametrize(
+  "overrides, fragment",
+  [
+    (("enable_lora=true", "lora_rank=0"), "lora_rank must be a positive integer with enable_lora=true, got 0"),
+    (("enable_lora=true", "lora_weight_qtype=nf3"), "lora_weight_qtype='nf3' is not one of: '', 'nf4', 'int8'"),
+    (("lora_restore_path=somewhere",), "lora_restore_path is set but enable_lora=false"),
+    (("enable_lora=true", "lora_module_path=(("), "lora_module_path='((' is not a regular expression"),
+    (("enable_lora=true", "quantization=int8", "use_qwix_quantization=true"), "enable_lora=true with quantization"),
+  ],
+)
+def test_bad_lora_settings_are_one_line(overrides, fragment):
+  with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
+    make_config(*overrides)
+  assert "\n" not in str(caught.value)
+
+
+def test_a_module_path_that_matches_nothing_is_one_line():
+  from MaxLite import builder
+  from MaxLite.parallel.mesh import create_mesh
+
+  config = make_config("model_name=tiny", "max_target_length=32", *LORA, "lora_module_path=decoder/nothing/here")
+  with pytest.raises(ConfigError, match=re.escape("lora_module_path='decoder/nothing/here' matches no projection")):
+    builder.training(config, create_mesh(config, first_devices(1)))
