@@ -211,7 +211,24 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   files = write_checkpoint(output_path, tensors)
   hf_config = family.hf.config(config, **{name: i if i >= 0 else None for name, i in ids.items()})
   storage.write_text(storage.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
-  return ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
+  files = ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
+  return files + _peft_adapter(checkpoint_path, config, target, output_path)
+
+
+def _peft_adapter(checkpoint_path: str, config: Any, target: Any, output_path: str) -> list[str]:
+  """A LoRA step's adapters also as a PEFT folder, <output_path>/adapter, beside the merged weights: peft's
+  PeftModel.from_pretrained(<the base in transformers>, <output_path>/adapter)."""
+  settings = lora_steps.lora_settings(checkpoint_path)
+  if settings is None:
+    return []
+  from MaxLite.checkpoint import lora_peft
+
+  base_path = settings.get("load_parameters_path") or settings.get("load_full_state_path")
+  base = jax.tree.map(np.asarray, lora_steps.load_params(base_path, target))
+  adapters = jax.tree.map(np.asarray, lora_steps.adapters_of(checkpoint_path, jax.tree.leaves(target)[0]))
+  folder = storage.join(output_path, "adapter")
+  written = lora_peft.write_adapter(folder, config, base, adapters, settings["lora_rank"], settings["lora_alpha"])
+  return [f"adapter/{name}" for name in written]
 
 
 def _copy_tokenizer_files(config: Any, output_path: str) -> list[str]:

@@ -223,6 +223,19 @@ def _write_file(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype, C
       f.write(array.tobytes())
 
 
+def write_file(path: str, tensors: dict[str, np.ndarray]) -> None:
+  """One safetensors file of in-memory arrays (a PEFT adapter)."""
+  _write_file(path, [(n, a.shape, a.dtype, lambda a=a: a) for n, a in tensors.items()])
+
+
+def read_file(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of one safetensors file."""
+  if not storage.isfile(path):
+    raise InputError(f"{path}: no such file")
+  file = _UrlFile(path) if storage.is_url(path) else _LocalFile(path)
+  return {name: file.read(name) for name in file.shapes}
+
+
 def write_checkpoint(
   directory: str,
   tensors: Iterable[tuple[str, tuple[int, ...], Any, Callable[[], np.ndarray]]],
