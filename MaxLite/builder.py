@@ -57,13 +57,14 @@ def _boxed_parameters(model_: Transformer, config: Config) -> Any:
   return jax.eval_shape(lambda: _variables(model_, config, jax.random.key(config.init_weights_seed)))
 
 
-def abstract_parameters(config: Config) -> Any:
-  """The parameters' shapes and dtypes, without a mesh."""
-  return sharding_lib.unbox(_boxed_parameters(model(config), config))
+def abstract_parameters(config: Config, adapters: bool = True) -> Any:
+  """The parameters' shapes and dtypes, without a mesh (adapters=False: without LoRA's)."""
+  return sharding_lib.unbox(_boxed_parameters(model(config, adapters=adapters), config))
 
 
-def parameters(config: Config, mesh: Mesh) -> Parameters:
-  model_ = model(config)
+def parameters(config: Config, mesh: Mesh, adapters: bool = True) -> Parameters:
+  """adapters=False: the model without LoRA's adapters (decoding applies them merged into the weights)."""
+  model_ = model(config, adapters=adapters)
   boxed = _boxed_parameters(model_, config)
   logical = nn.get_partition_spec(boxed)
   return Parameters(model_, sharding_lib.unbox(boxed), logical, sharding_lib.logical_to_sharding(logical, mesh, config))

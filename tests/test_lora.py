@@ -143,26 +143,67 @@ def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_le
   pairs = tmp_path / "pairs.jsonl"  # the first 4 shipped pairs, learnt and evaluated
   with open(f"{POST}/preferences-train.jsonl") as f:
     pairs.write_text("".join(f.readline() for _ in range(4)))
-  dpo = train(
-    make_config(
-      *common,
-      *LORA,
-      "run_name=dpo",
-      "use_dpo=true",
-      "learning_rate=1e-2",
-      f"load_parameters_path={tmp_path}/sft/checkpoints/20",  # a LoRA step: the base with its adapters merged
-      f"grain_train_files={pairs}",
-      f"grain_eval_files={pairs}",
-      "steps=16",
-      "eval_interval=16",
-      "eval_steps=2",
-    ),
-    first_devices(1),
+  dpo_args = (
+    *common,
+    *LORA,
+    "use_dpo=true",
+    "learning_rate=1e-2",
+    "learning_rate_schedule_steps=16",
+    f"load_parameters_path={tmp_path}/sft/checkpoints/20",  # a LoRA step: the base with its adapters merged
+    f"grain_train_files={pairs}",
+    f"grain_eval_files={pairs}",
+    "eval_interval=16",
+    "eval_steps=2",
   )
+  dpo = train(make_config(*dpo_args, "run_name=dpo", "steps=16"), first_devices(1))
   np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)  # adapters at zero: the policy is the reference
+  # Killed at step 8 and started again: the same losses bit for bit (the reference, a merged LoRA step, is re-read).
+  halves = [train(make_config(*dpo_args, "run_name=dpo_halves", f"steps={n}"), first_devices(1)) for n in (8, 16)]
+  assert _losses(halves[0]) + _losses(halves[1]) == _losses(dpo)
   (final,) = [r for r in dpo if "eval_loss" in r]
   print("DPO with LoRA after 16 steps on 4 shipped pairs:", final)  # at step 0 every reward is 0: accuracy 0
   assert final["eval_rewards/accuracies"] > 0.5 and final["eval_loss"] < math.log(2)
+
+
+@pytest.fixture(scope="module")
+def trained_start(tmp_path_factory):
+  """(base step, adapters step) of the 8-head tiny model: every layout starts from both, so they begin equal whatever
+  each run's own fresh init would be (Qwix draws A inside the layer, where remat changes the random stream)."""
+  from test_parallelism import DENSE
+
+  out = tmp_path_factory.mktemp("start")
+  common = (*COMMON, *DENSE, "dataset_type=synthetic", "steps=2", f"base_output_directory={out}")
+  train(make_config(*common, "run_name=base"), first_devices(1))
+  base = f"{out}/base/checkpoints/2"
+  train(make_config(*common, *LORA, "run_name=lora", f"load_parameters_path={base}"), first_devices(1))
+  return base, f"{out}/lora/checkpoints/2"
+
+
+@pytest.fixture(scope="module")
+def one_device_lora(tmp_path_factory, trained_start):
+  from test_parallelism import DENSE, _losses, _run
+
+  start = (f"load_parameters_path={trained_start[0]}", f"lora_restore_path={trained_start[1]}")
+  return _losses(_run(tmp_path_factory.mktemp("one"), 1, *DENSE, *LORA, *start, "per_device_batch_size=8"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "remat_policy=minimal"),
+    ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2", "remat_policy=none"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+  ],
+  ids=["data2_fsdp2_tensor2_minimal", "sequence4_fsdp2_none", "stage2_fsdp4"],
+)
+def test_lora_layouts_and_remat_policies_train_like_one_device(tmp_path, trained_start, one_device_lora, mesh):
+  from test_parallelism import DENSE, _losses, _run
+
+  start = (f"load_parameters_path={trained_start[0]}", f"lora_restore_path={trained_start[1]}")
+  losses, grad_norms = _losses(_run(tmp_path, 8, *DENSE, *LORA, *start, "per_device_batch_size=1", *mesh))
+  np.testing.assert_allclose(losses, one_device_lora[0], rtol=1e-5)
+  np.testing.assert_allclose(grad_norms, one_device_lora[1], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -170,6 +211,7 @@ def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_le
   [
     (("enable_lora=true", "lora_rank=0"), "lora_rank must be a positive integer with enable_lora=true, got 0"),
     (("enable_lora=true", "lora_weight_qtype=nf3"), "lora_weight_qtype='nf3' is not one of: '', 'nf4', 'int8'"),
+    (("enable_lora=true", "lora_weight_qtype=nf4"), "lora_weight_qtype=nf4 (QLoRA) is not built yet"),
     (("lora_restore_path=somewhere",), "lora_restore_path is set but enable_lora=false"),
     (("enable_lora=true", "lora_module_path=(("), "lora_module_path='((' is not a regular expression"),
     (("enable_lora=true", "quantization=int8", "use_qwix_quantization=true"), "enable_lora=true with quantization"),
@@ -181,10 +223,18 @@ def test_bad_lora_settings_are_one_line(overrides, fragment):
   assert "\n" not in str(caught.value)
 
 
-def test_a_module_path_that_matches_nothing_is_one_line():
+@pytest.mark.parametrize(
+  "model, path, fragment",
+  [
+    ("tiny", "decoder/nothing/here", "lora_module_path='decoder/nothing/here' matches no projection"),
+    ("tiny-moe", ".*(moe|self_attention).*", "puts adapters on the routed experts (decoder/layers/moe/gate)"),
+  ],
+)
+def test_a_module_path_that_matches_nothing_or_routed_experts_is_one_line(model, path, fragment):
   from MaxLite import builder
   from MaxLite.parallel.mesh import create_mesh
 
-  config = make_config("model_name=tiny", "max_target_length=32", *LORA, "lora_module_path=decoder/nothing/here")
-  with pytest.raises(ConfigError, match=re.escape("lora_module_path='decoder/nothing/here' matches no projection")):
+  config = make_config(f"model_name={model}", "max_target_length=32", *LORA, f"lora_module_path={path}")
+  with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
     builder.training(config, create_mesh(config, first_devices(1)))
+  assert "\n" not in str(caught.value)

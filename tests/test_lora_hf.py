@@ -92,6 +92,19 @@ def test_an_adapter_made_by_peft_loads_with_peft_s_logits(tmp_path):
   print(f"max abs difference from peft: {np.abs(ours - expected).max():.2e}")
   assert np.abs(ours - expected).max() <= 1e-4
   assert np.abs(expected - base_logits).max() > 1e-2  # the adapter is not a no-op
+  # decode.py with the adapter: greedy tokens through the KV cache equal peft's generate.
+  from MaxLite.inference import generate
+
+  decoding = make_config(
+    *run, f"hf_lora_adapter_path={tmp_path / 'adapter'}", "max_prefill_predict_length=8", "max_decode_steps=10"
+  )
+  mesh = create_mesh(decoding, first_devices(1))
+  prompt = [1, 52, 7, 300, 12]
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(decoding)):
+    ours_tokens, _ = generate.generate(decoding, generate.load_params(decoding, mesh), [prompt], eos_id=None)
+  with torch.no_grad():
+    theirs = made.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+  assert ours_tokens[0] == theirs[0, len(prompt) :].tolist()
 
   # An adapter for another base (a wider MLP) is one line naming the tensor and both shapes.
   other, _ = hf_model(tmp_path, name="other", intermediate_size=96)

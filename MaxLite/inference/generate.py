@@ -105,7 +105,7 @@ def generate(
   for row, prompt in enumerate(prompts):
     ids[row, : len(prompt)] = prompt
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  model = builder.model(config, decode=True)
+  model = builder.model(config, decode=True, adapters=False)  # LoRA's adapters come merged into the weights
   prefill = jax.jit(functools.partial(_prefill, model=model))
   step = jax.jit(functools.partial(_step, model=model), donate_argnums=1)
   logits, cache = prefill(params, jnp.asarray(ids), lengths)
@@ -128,13 +128,24 @@ def generate(
 
 
 def load_params(config: Any, mesh: Any) -> Any:
-  """The checkpoint's params placed by the logical rules, or a random init when no path is given."""
-  params = builder.parameters(config, mesh)
+  """The checkpoint's params placed by the logical rules, or a random init when no path is given. A LoRA step comes
+  with its adapters merged (checkpoint/lora_steps.py); with enable_lora, a PEFT adapter (hf_lora_adapter_path) is
+  merged into the loaded base the same way."""
+  params = builder.parameters(config, mesh, adapters=False)
   if not config.load_parameters_path:
     print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
     return builder.random_parameters(config, params)
   target = checkpointing.sharded_target(params.abstract, params.shardings)
-  return lora_steps.load_params(config.load_parameters_path, target)
+  loaded = lora_steps.load_params(config.load_parameters_path, target)
+  if not (config.enable_lora and config.hf_lora_adapter_path):
+    return loaded
+  from MaxLite.checkpoint import lora_peft
+  from MaxLite.layers import lora
+
+  abstract_adapters, _ = lora.split(builder.parameters(config, mesh).abstract)
+  adapters = lora_peft.read_adapter(config.hf_lora_adapter_path, config, abstract_adapters)
+  merge = jax.jit(lambda b, a: lora.merged(b, a, lora.scale(config)), out_shardings=params.shardings)
+  return merge(loaded, adapters)
 
 
 def _fit_prompts(config: Any, tokenizer: Any, texts: Sequence[str]) -> tuple[list[list[int]], list[str]]:

@@ -92,6 +92,19 @@ def check_matches(adapters: Any, config: Any) -> None:
       f"lora_module_path={module_path(config)!r} matches no projection of the model: module paths look like "
       'decoder/layers/self_attention/query or decoder/layers/mlp/wi_0 ("" = every attention and MLP projection)'
     )
+  check_no_routed_experts(adapters, config)
+
+
+def check_no_routed_experts(adapters: Any, config: Any) -> None:
+  """A MoE layer's routed experts multiply through a grouped matmul (ragged_dot or the megablox kernel) that Qwix's
+  LoRA provider does not intercept, so adapters there would silently not apply: refused by name (the router too,
+  whose adapter alone would change which experts the tokens go to)."""
+  routed = [m for m in adapted_modules(adapters) if "/moe" in f"/{m}"]
+  if routed:
+    raise ConfigError(
+      f"lora_module_path={module_path(config)!r} puts adapters on the routed experts ({routed[0]}): LoRA on routed "
+      "experts is not supported; adapt attention, dense MLPs and shared experts (the default)"
+    )
 
 
 def adapted_modules(adapters: Any) -> list[str]:
