@@ -25,13 +25,16 @@ from MaxLite.layers.quantization import quantized
 from MaxLite.parallel import sharding as sharding_lib
 
 
-def model(config: Config, *, deterministic: bool = True, decode: bool = False, adapters: bool = True) -> Transformer:
+def model(
+  config: Config, *, deterministic: bool = True, decode: bool = False, adapters: bool = True, stored: bool = True
+) -> Transformer:
   """The configured decoder, its projections quantized by Qwix with `quantization` (layers/quantization.py) or
-  carrying LoRA adapters with enable_lora (layers/lora.py; adapters=False: the base model alone, DPO's reference).
+  carrying LoRA adapters with enable_lora (layers/lora.py; adapters=False: the base model alone, DPO's reference;
+  stored=False: neither adapters nor QLoRA's quantized kernels, the model of the weights a checkpoint holds).
   deterministic=False applies dropout (training with dropout_rate > 0); decode=True keeps a KV cache (apply with
   mutable=["cache"])."""
   decoder = quantized(Transformer(config, deterministic=deterministic, decode=decode), config)
-  return with_lora(decoder, config) if adapters else decoder
+  return with_lora(decoder, config, adapters) if stored else decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +65,10 @@ def abstract_parameters(config: Config, adapters: bool = True) -> Any:
   return sharding_lib.unbox(_boxed_parameters(model(config, adapters=adapters), config))
 
 
-def parameters(config: Config, mesh: Mesh, adapters: bool = True) -> Parameters:
-  """adapters=False: the model without LoRA's adapters (decoding applies them merged into the weights)."""
-  model_ = model(config, adapters=adapters)
+def parameters(config: Config, mesh: Mesh, adapters: bool = True, stored: bool = True) -> Parameters:
+  """adapters=False: the model without LoRA's adapters (decoding applies them merged into the weights); stored=False:
+  also without QLoRA's quantized storage, i.e. the parameters as a checkpoint holds them."""
+  model_ = model(config, adapters=adapters, stored=stored)
   boxed = _boxed_parameters(model_, config)
   logical = nn.get_partition_spec(boxed)
   return Parameters(model_, sharding_lib.unbox(boxed), logical, sharding_lib.logical_to_sharding(logical, mesh, config))

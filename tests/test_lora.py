@@ -211,7 +211,6 @@ def test_lora_layouts_and_remat_policies_train_like_one_device(tmp_path, trained
   [
     (("enable_lora=true", "lora_rank=0"), "lora_rank must be a positive integer with enable_lora=true, got 0"),
     (("enable_lora=true", "lora_weight_qtype=nf3"), "lora_weight_qtype='nf3' is not one of: '', 'nf4', 'int8'"),
-    (("enable_lora=true", "lora_weight_qtype=nf4"), "lora_weight_qtype=nf4 (QLoRA) is not built yet"),
     (("lora_restore_path=somewhere",), "lora_restore_path is set but enable_lora=false"),
     (("enable_lora=true", "lora_module_path=(("), "lora_module_path='((' is not a regular expression"),
     (("enable_lora=true", "quantization=int8", "use_qwix_quantization=true"), "enable_lora=true with quantization"),
@@ -238,3 +237,74 @@ def test_a_module_path_that_matches_nothing_or_routed_experts_is_one_line(model,
   with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
     builder.training(config, create_mesh(config, first_devices(1)))
   assert "\n" not in str(caught.value)
+
+
+QLORA = ("lora_weight_qtype=nf4", "lora_tile_size=16")
+
+
+@pytest.mark.slow
+def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path, base):
+  """QLoRA (nf4, tiles of 16): the base is stored as Qwix's nf4 (4 bits a weight plus a scale per tile) and the model
+  computes with it: with the adapters at zero its logits are the plain model's on the quantize-dequantized kernels,
+  not on the float ones. A QLoRA run stopped and resumed gives the uninterrupted losses bit for bit."""
+  from flax import traverse_util
+  from flax.linen import partitioning as nn_partitioning
+  from qwix._src.core import qarray
+
+  from MaxLite import builder
+  from MaxLite.checkpoint import lora_steps
+  from MaxLite.parallel import sharding as sharding_lib
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training.train_state import model_params
+  from MaxLite.training.trainer import initial_state
+
+  config = make_config(*COMMON, *LORA, *QLORA, "dataset_type=synthetic", f"load_parameters_path={base}")
+  mesh = create_mesh(config, first_devices(1))
+  ids = np.random.default_rng(0).integers(1, 8192, (2, 64)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(64, dtype=np.int32), ids.shape)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    pieces = builder.training(config, mesh)
+    state, _ = initial_state(config, pieces)
+    ours = np.asarray(pieces.model.apply({"params": model_params(state)}, ids, pos, np.ones_like(ids)))
+    plain = builder.parameters(config, mesh, stored=False)
+    floats = lora_steps.load_params(
+      base,
+      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plain.abstract, plain.shardings),
+    )
+  frozen = traverse_util.flatten_dict(state.frozen)
+  kernels = {k: v for k, v in frozen.items() if hasattr(v, "array")}
+  assert len(kernels) == 7 and all(v.array.qvalue.dtype == jax.numpy.uint4 for v in kernels.values())
+  restored = traverse_util.flatten_dict(jax.tree.map(np.asarray, floats))
+  for k, v in kernels.items():
+    restored[k] = np.asarray(jax.vmap(qarray.dequantize)(v.array))
+  dequantized = traverse_util.unflatten_dict(restored)
+  model = builder.model(config, stored=False)
+  want = np.asarray(model.apply({"params": dequantized}, ids, pos, np.ones_like(ids)))
+  unquantized = np.asarray(model.apply({"params": floats}, ids, pos, np.ones_like(ids)))
+  print(
+    f"QLoRA vs dequantized base {np.abs(ours - want).max():.2e}, vs float base {np.abs(ours - unquantized).max():.2e}"
+  )
+  assert np.abs(ours - want).max() < 1e-4 < 1e-2 < np.abs(ours - unquantized).max()
+  straight = _lora_run(tmp_path, base, "q", *QLORA, "steps=6")
+  first = _lora_run(tmp_path, base, "q2", *QLORA, "steps=3")
+  second = _lora_run(tmp_path, base, "q2", *QLORA, "steps=6")
+  assert _losses(first) + _losses(second) == _losses(straight)
+  # DPO over a QLoRA base: the reference is that quantized base with the adapters off, so the first loss is log 2.
+  dpo = train(
+    make_config(
+      *COMMON,
+      *CHAT,
+      *LORA,
+      *QLORA,
+      "use_dpo=true",
+      f"load_parameters_path={base}",
+      "steps=1",
+      "max_target_length=256",
+      f"grain_train_files={POST}/preferences-train.jsonl",
+      "grain_eval_files=",
+      f"base_output_directory={tmp_path}",
+      "run_name=qdpo",
+    ),
+    first_devices(1),
+  )
+  np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)

@@ -139,12 +139,6 @@ def _check_lora(c: dict[str, Any]) -> None:
   if c["lora_weight_qtype"] not in LORA_WEIGHT_QTYPES:
     shown = ", ".join(repr(q) for q in LORA_WEIGHT_QTYPES)
     raise ConfigError(f"lora_weight_qtype={c['lora_weight_qtype']!r} is not one of: {shown}")
-  if c["lora_weight_qtype"]:
-    raise ConfigError(
-      f"lora_weight_qtype={c['lora_weight_qtype']} (QLoRA) is not built yet: MaxLite's projections reshape the "
-      "kernel before the matmul, which Qwix's quantized weights refuse; train LoRA over a bfloat16 base "
-      "(weight_dtype=bfloat16)"
-    )
   if c["lora_tile_size"] < 0:
     raise ConfigError(f"lora_tile_size must be 0 (per channel) or a positive tile, got {c['lora_tile_size']}")
   try:

@@ -105,7 +105,7 @@ def generate(
   for row, prompt in enumerate(prompts):
     ids[row, : len(prompt)] = prompt
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  model = builder.model(config, decode=True, adapters=False)  # LoRA's adapters come merged into the weights
+  model = builder.model(config, decode=True, stored=False)  # LoRA's adapters come merged into the weights
   prefill = jax.jit(functools.partial(_prefill, model=model))
   step = jax.jit(functools.partial(_step, model=model), donate_argnums=1)
   logits, cache = prefill(params, jnp.asarray(ids), lengths)
@@ -131,7 +131,7 @@ def load_params(config: Any, mesh: Any) -> Any:
   """The checkpoint's params placed by the logical rules, or a random init when no path is given. A LoRA step comes
   with its adapters merged (checkpoint/lora_steps.py); with enable_lora, a PEFT adapter (hf_lora_adapter_path) is
   merged into the loaded base the same way."""
-  params = builder.parameters(config, mesh, adapters=False)
+  params = builder.parameters(config, mesh, stored=False)
   if not config.load_parameters_path:
     print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
     return builder.random_parameters(config, params)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
-from MaxLite.layers.linears import DenseGeneral
+from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.rope import apply_rope, default_frequencies, rope_frequencies
@@ -100,7 +100,7 @@ class Attention(nn.Module):
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     scale = cfg.dense_init_scale
 
-    dense = dict(dtype=dtype, weight_dtype=wdtype, init_scale=scale, use_bias=cfg.attention_bias)
+    dense = dict(dtype=dtype, weight_dtype=wdtype, init_scale=scale, use_bias=cfg.attention_bias, **quantized_base(cfg))
     if cfg.fused_qkv:  # one [embed, 3, heads, head_dim] kernel (MHA only: the three parts have one head count)
       heads = (3, cfg.base_num_query_heads, cfg.head_dim)
       qkv = DenseGeneral(heads, ("embed", "qkv", "heads", "kv"), name="qkv_proj", **dense)(x)
@@ -166,6 +166,7 @@ class Attention(nn.Module):
       weight_dtype=dtype_of(cfg.weight_dtype),
       init_scale=cfg.dense_init_scale,
       name="out",
+      **quantized_base(cfg),
     )(out)
     # Constrained before it is named: with activation_embed split over `tensor` the saved copy is the
     # reduce-scattered shard, not the all-reduced whole.

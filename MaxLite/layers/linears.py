@@ -51,6 +51,13 @@ def _cast_bwd(_, g: jax.Array) -> tuple[jax.Array]:
 _bfloat16_in_loop.defvjp(_cast_fwd, _cast_bwd)
 
 
+def quantized_base(config: object) -> dict[str, bool]:
+  """DenseGeneral's keyword for the projections of a model whose frozen base Qwix stores quantized (QLoRA)."""
+  return (
+    {"quantized_base": bool(getattr(config, "lora_weight_qtype", ""))} if getattr(config, "enable_lora", False) else {}
+  )
+
+
 class DenseGeneral(nn.Module):
   """y = x . W contracting `axis` of x with the leading dims of W (shape in_dims + features).
 
@@ -66,6 +73,9 @@ class DenseGeneral(nn.Module):
   init_scale: float = 1.0
   output_dtype: DType | None = None  # None = dtype; float32 = accumulate and return float32 (the logits)
   use_bias: bool = False  # a learned bias over the output features (Qwen2.5's q/k/v), initialised to zero
+  # QLoRA (layers/lora.py): Qwix stores this kernel quantized in its own shape, so the matmul takes it unreshaped and
+  # uncast (Qwix dequantizes it).
+  quantized_base: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -84,13 +94,14 @@ class DenseGeneral(nn.Module):
     kernel = self.param(
       "kernel", nn.with_logical_partitioning(init, tuple(self.logical_axes)), kernel_shape, self.weight_dtype
     )
-    kernel = cast_weight(kernel, self.dtype)
+    kernel = kernel if self.quantized_base else cast_weight(kernel, self.dtype)
     x = jnp.asarray(x, self.dtype)
     # Only a merged group's leading dim may be split: merging a split dim behind an unsplit one (the heads of a
     # fused [3, heads, head_dim] output) interleaves the shards, which GSPMD can only regather.
     minor_dims = (*self.logical_axes[1:n_in], *self.logical_axes[n_in + 1 :])
     mergeable = not any(logical_axis_is_split(a) for a in minor_dims)
-    if axis == tuple(range(x.ndim - n_in, x.ndim)) and mergeable and not logical_axis_is_split("activation_length"):
+    flat = mergeable and not self.quantized_base and not logical_axis_is_split("activation_length")
+    if axis == tuple(range(x.ndim - n_in, x.ndim)) and flat:
       # Contracting the trailing dims: one 2D matmul [rows, in] x [in, out]. XLA's CPU backend runs
       # the backward pass of this form about twice as fast as the same dot with 3D operands. Not when
       # the sequence is split: merging a split batch with a split sequence makes GSPMD regather.
@@ -109,6 +120,8 @@ class DenseGeneral(nn.Module):
       y = jax.lax.dot_general(x, kernel, (contract, ((), ())), preferred_element_type=self.output_dtype)
     if self.output_dtype is not None:  # a quantized dot (Qwix) returns the inputs' type whatever it was asked for
       y = y.astype(self.output_dtype)
+    elif self.quantized_base:  # the uncast kernel (float32, or Qwix's dequantized one) promotes a bfloat16 x
+      y = y.astype(self.dtype)
     if not self.use_bias:
       return y
     bias_init = nn.with_logical_partitioning(nn.initializers.zeros, tuple(self.logical_axes)[n_in:])

@@ -31,12 +31,21 @@ def module_path(config: Any) -> str:
   return config.lora_module_path or DEFAULT_MODULES
 
 
-def with_lora(model: Any, config: Any) -> Any:
-  """`model` with adapters on the projections `lora_module_path` matches, or itself without enable_lora."""
-  if not config.enable_lora:
+def with_lora(model: Any, config: Any, adapters: bool = True) -> Any:
+  """`model` with adapters on the projections `lora_module_path` matches, or itself without enable_lora.
+  adapters=False: the base alone (DPO's reference), which with QLoRA still reads its kernels quantized."""
+  if not config.enable_lora or not (adapters or config.lora_weight_qtype):
     return model
   import qwix  # only a LoRA run loads it
 
+  if not adapters:
+    base_rule = qwix.QuantizationRule(
+      module_path=module_path(config),
+      weight_qtype=config.lora_weight_qtype,
+      tile_size=config.lora_tile_size or None,
+      op_names=("dot_general", "einsum"),
+    )
+    return qwix.quantize_model(model, qwix.PtqProvider([base_rule]))
   rule = qwix.LoraRule(
     module_path=module_path(config),
     rank=config.lora_rank,
@@ -138,3 +147,26 @@ def merged(base: Any, adapters: Any, scale_: float) -> dict:
     delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32)) * scale_
     flat[kernel_path] = (kernel.astype(jnp.float32) + delta.reshape(kernel.shape)).astype(kernel.dtype)
   return traverse_util.unflatten_dict(flat)
+
+
+def quantize_base(params: Any, abstract_frozen: Any) -> dict:
+  """QLoRA: full-precision base parameters -> the quantized tree Qwix reads (`abstract_frozen`, the LoRA model's base
+  part). qwix.quantize_params would apply each kernel's per-layer quantization to a scanned stack as a whole, one axis
+  off; here a stack is quantized layer by layer (vmap over its leading axis)."""
+  import jax
+  from qwix._src.core import qarray
+  from qwix._src.providers.ptq import WithAux
+
+  def one(value: Any, abstract: Any) -> Any:
+    if not isinstance(abstract, WithAux):
+      return value
+    quantize = lambda v: qarray.quantize(v, abstract.how)  # noqa: E731
+    try:
+      fits = jax.eval_shape(quantize, value).scale.shape == abstract.array.scale.shape
+    except ValueError:  # the per-layer tiling does not divide the stacked shape
+      fits = False
+    return abstract.replace(array=(quantize if fits else jax.vmap(quantize))(value))
+
+  flat = traverse_util.flatten_dict(params)
+  wanted = traverse_util.flatten_dict(abstract_frozen)
+  return traverse_util.unflatten_dict({k: one(flat[k], wanted[k]) for k in wanted})

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
 from MaxLite.layers.attention import BATCH, LENGTH, Attention
-from MaxLite.layers.linears import DenseGeneral
+from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.rope import apply_rope, rope_frequencies
@@ -39,7 +39,7 @@ class MlaAttention(Attention):
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, local: Any = None) -> jax.Array:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
-    dense = dict(dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale)
+    dense = dict(dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, **quantized_base(cfg))
     norm = lambda name: RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, name=name)
     heads, nope, rope = cfg.base_num_query_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     per_head = (heads, nope + rope)

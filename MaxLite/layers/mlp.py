@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
-from MaxLite.layers.linears import DenseGeneral, cast_weight
+from MaxLite.layers.linears import DenseGeneral, cast_weight, quantized_base
 from MaxLite.layers.norms import rms_norm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.remat import remat_policy
@@ -56,7 +56,12 @@ class MlpBlock(nn.Module):
   def setup(self):
     cfg = self.config
     width = self.width or cfg.base_mlp_dim
-    kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), init_scale=cfg.dense_init_scale)
+    kw = dict(
+      dtype=dtype_of(cfg.dtype),
+      weight_dtype=dtype_of(cfg.weight_dtype),
+      init_scale=cfg.dense_init_scale,
+      **quantized_base(cfg),
+    )
     if cfg.fused_mlp:  # gate and up from one [embed, 2, mlp] kernel: one matmul, one read of x
       self.wi = DenseGeneral((2, width), ("embed", "num_activations", "mlp"), **kw)
     else:

@@ -35,10 +35,19 @@ def _fresh(config: Config, pieces: Any, part: str, shardings: Any) -> Any:
 
 
 def base_parameters(config: Config, pieces: Any, target: Any) -> Any:
+  """The frozen base; with QLoRA read in full precision and quantized on the device as Qwix stores it."""
   path = config.load_parameters_path or config.load_full_state_path
   if not path:
     return _fresh(config, pieces, "base", pieces.shardings.frozen)
-  return lora_steps.load_params(path, target.frozen)
+  if not config.lora_weight_qtype:
+    return lora_steps.load_params(path, target.frozen)
+  from MaxLite import builder
+
+  mesh = jax.tree.leaves(pieces.shardings.params)[0].mesh
+  plain = builder.parameters(config, mesh, adapters=False, stored=False)
+  full = lora_steps.load_params(path, checkpointing.sharded_target(plain.abstract, plain.shardings))
+  quantize = lambda params: lora.quantize_base(params, pieces.abstract.frozen)  # noqa: E731
+  return jax.jit(quantize, out_shardings=pieces.shardings.frozen)(full)
 
 
 def start_adapters(config: Config, pieces: Any, target: Any) -> Any:
