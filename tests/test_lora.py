@@ -194,8 +194,9 @@ def one_device_lora(tmp_path_factory, trained_start):
     ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "remat_policy=minimal"),
     ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2", "remat_policy=none"),
     ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+    ("ici_fsdp_parallelism=8", "num_vocab_tiling=2"),
   ],
-  ids=["data2_fsdp2_tensor2_minimal", "sequence4_fsdp2_none", "stage2_fsdp4"],
+  ids=["data2_fsdp2_tensor2_minimal", "sequence4_fsdp2_none", "stage2_fsdp4", "fsdp8_vocab_tiling2"],
 )
 def test_lora_layouts_and_remat_policies_train_like_one_device(tmp_path, trained_start, one_device_lora, mesh):
   from test_parallelism import DENSE, _losses, _run

@@ -94,6 +94,8 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
     lowered = pieces.step.lower(abstract, batch)
   state_bytes = {
     "params": sharding.sharded_bytes(abstract.params, shardings.params),
+    # LoRA: the frozen base (QLoRA: as Qwix stores it); `params` are then the adapters
+    "frozen": sharding.sharded_bytes(abstract.frozen, shardings.frozen) if abstract.frozen is not None else 0,
     "optimizer": sharding.sharded_bytes(abstract.opt_state, shardings.opt_state),
     "parameters": sum(leaf.size for leaf in jax.tree.leaves(abstract.params)),  # counted from the model itself
   }
@@ -205,7 +207,9 @@ def report(
     f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
     f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
     "per device:",
-    f"  params          {_gib(state_bytes['params'])}{_where(config.parameter_memory_host_offload)}",
+    f"  params          {_gib(state_bytes['params'])}{_where(config.parameter_memory_host_offload)}"
+    + (" (the LoRA adapters, which train)" if config.enable_lora else ""),
+    *([f"  frozen base     {_gib(state_bytes['frozen'])}{_quantized_as(config)}"] if config.enable_lora else []),
     f"  optimizer state {_gib(state_bytes['optimizer'])}{_where(config.optimizer_memory_host_offload)}",
     f"  arguments       {_gib(mem.argument_size_in_bytes)} (state + batch, donated: "
     f"{_gib(mem.alias_size_in_bytes)} reused for outputs)",
@@ -318,8 +322,9 @@ def _compile_and_report(
       hint = "more ici_fsdp_parallelism, parameter_memory_host_offload / optimizer_memory_host_offload=true"
     else:
       hint = "remat_policy (full, or custom with decoder_layer_input=offload), per_device_batch_size, num_vocab_tiling"
+    frozen = f" + frozen base {_gib(state_bytes['frozen'])}" if config.enable_lora else ""
     print(
-      f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])} + optimizer state "
+      f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])}{frozen} + optimizer state "
       f"{_gib(state_bytes['optimizer'])} per device\n{oom}\nkeys that would shrink it: {hint}",
       flush=True,
     )
@@ -337,3 +342,10 @@ def _compile_and_report(
     storage.write_bytes(config.compiled_trainstep_file, payload)
     print(f"saved the serialized executable ({len(payload):,} bytes) to {config.compiled_trainstep_file}")
   return 0 if fits else DOES_NOT_FIT
+
+
+def _quantized_as(config: Any) -> str:
+  if not config.lora_weight_qtype:
+    return f" ({config.weight_dtype})"
+  tile = f", tiles of {config.lora_tile_size}" if config.lora_tile_size else ", per channel"
+  return f" ({config.lora_weight_qtype}{tile}: QLoRA)"

@@ -83,8 +83,16 @@ def sharded_bytes(abstract: Any, shardings: Any) -> int:
   """Bytes one device holds for arrays of these shapes placed with these shardings (no arrays needed)."""
   total = 0
   for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=_is_sharding)):
-    total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    total += math.prod(sharding.shard_shape(leaf.shape)) * _bits(leaf.dtype) // 8
   return total
+
+
+def _bits(dtype: Any) -> int:
+  """A device's bits per element: 4 for int4/uint4 (QLoRA's nf4 codes), whose numpy itemsize says a whole byte."""
+  try:
+    return int(jax.numpy.iinfo(dtype).bits)
+  except ValueError:
+    return 8 * dtype.itemsize
 
 
 def sharding_report(abstract_params: Any, logical_specs: Any, shardings: Any) -> str:
