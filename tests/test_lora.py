@@ -121,25 +121,25 @@ def _paths(tree):
 @pytest.mark.slow
 def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_learns(tmp_path, base):
   common = (*COMMON, *CHAT, f"base_output_directory={tmp_path}", "max_target_length=256", "per_device_batch_size=2")
-  sft = train(
-    make_config(
-      *common,
-      *LORA,
-      "run_name=sft",
-      f"load_parameters_path={base}",
-      "use_sft=true",
-      "sft_train_on_completion_only=true",
-      f"grain_train_files={POST}/chats-train.jsonl",
-      f"grain_eval_files={POST}/chats-eval.jsonl",
-      "steps=20",
-      "eval_interval=10",
-      "eval_steps=2",
-    ),
-    first_devices(1),
+  sft_args = (
+    *common,
+    *LORA,
+    f"load_parameters_path={base}",
+    "use_sft=true",
+    "sft_train_on_completion_only=true",
+    f"grain_train_files={POST}/chats-train.jsonl",
+    f"grain_eval_files={POST}/chats-eval.jsonl",
+    "learning_rate_schedule_steps=20",
+    "eval_interval=10",
+    "eval_steps=2",
   )
+  sft = train(make_config(*sft_args, "run_name=sft", "steps=20"), first_devices(1))
   evals = [r["eval_loss"] for r in sft if "eval_loss" in r]
   print("SFT with LoRA, eval loss at steps 10 and 20:", evals)
   assert evals[-1] < evals[0]
+  # Killed at step 10 and started again: the same losses bit for bit.
+  halves = [train(make_config(*sft_args, "run_name=sft_halves", f"steps={n}"), first_devices(1)) for n in (10, 20)]
+  assert _losses(halves[0]) + _losses(halves[1]) == _losses(sft)
   pairs = tmp_path / "pairs.jsonl"  # the first 4 shipped pairs, learnt and evaluated
   with open(f"{POST}/preferences-train.jsonl") as f:
     pairs.write_text("".join(f.readline() for _ in range(4)))

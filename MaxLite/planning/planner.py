@@ -36,7 +36,8 @@ def run(argv: Sequence[str], explain_plan: int = 0, plan_output: str = "") -> in
   kept, rejected = candidates.prune(plans, raw, target, num_slices)
   baseline = candidates.Candidate({})  # the config exactly as given: compiled first, marked in the table
   if candidates.validate(baseline, raw, target, num_slices) is None:
-    kept.insert(0, baseline)
+    # A searched plan that sets every key to the config's own value is the baseline again: compiled once, as it.
+    kept = [baseline] + [plan for plan in kept if plan.config != baseline.config]
   if not kept:
     raise ConfigError(_nothing_fits(raw, target, num_slices, rejected))
   print(

@@ -5,7 +5,6 @@ lora_restore_path (a MaxLite LoRA step) or hf_lora_adapter_path (a PEFT folder),
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -74,17 +73,18 @@ def initial_state(config: Config, pieces: Any, target: Any, checkpointer: Any, b
     logging.info("resumed the adapters from checkpoint at step %d in %s", step, config.checkpoint_dir)
     return state.replace(frozen=frozen), step
   adapters = start_adapters(config, pieces, target)
-  create = lambda a, f: TrainState.create(apply_fn=pieces.model.apply, params=a, tx=pieces.tx, frozen=f).replace(
-    step=jnp.zeros((), jnp.int32)
-  )
-  state = jax.jit(functools.partial(create), out_shardings=pieces.shardings)(adapters, frozen)
-  return state, 0
+
+  def create(adapters: Any, frozen: Any) -> TrainState:  # a strongly typed step, as train_state._new_state makes
+    state = TrainState.create(apply_fn=pieces.model.apply, params=adapters, tx=pieces.tx, frozen=frozen)
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+  return jax.jit(create, out_shardings=pieces.shardings)(adapters, frozen), 0
 
 
 def describe(config: Config, abstract: Any) -> str:
   """One line for the start of a LoRA run: what trains, out of how much."""
   trained = lora.count(abstract.params)
-  total = trained + lora.count(abstract.frozen)
+  total = trained + config.num_params  # not the frozen tree's size: QLoRA's holds scales besides the weights
   modules = lora.adapted_modules(abstract.params)
   return (
     f"LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g}: {trained:,} trainable parameters of {total:,} "
