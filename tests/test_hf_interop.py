@@ -163,6 +163,20 @@ def test_to_hf_of_a_missing_step_names_the_flag_given_and_the_steps_there(tmp_pa
   assert not os.path.exists(tmp_path / "export")
 
 
+def export_gives_maxlite_logits(step_dir, output_path):
+  """Exports a MaxLite step with to_hf and asserts transformers' logits are MaxLite's (1e-4); returns (the exported
+  transformers model, the step's config, its parameters)."""
+  convert_hf.to_hf(step_dir, output_path, [])
+  model = transformers.AutoModelForCausalLM.from_pretrained(output_path).eval()
+  loaded = maxlite_config(step_dir)
+  ids = token_ids(loaded.vocab_size)
+  with torch.no_grad():
+    expected = model(torch.tensor(ids)).logits.numpy()
+  params = maxlite_params(loaded, step_dir)
+  assert np.abs(maxlite_logits(loaded, params, ids) - expected).max() <= 1e-4
+  return model, loaded, params
+
+
 @pytest.mark.slow
 def test_maxlite_trained_model_exports_to_transformers(tmp_path):
   """A tiny model trained by MaxLite, exported: transformers gives MaxLite's logits."""
@@ -180,14 +194,7 @@ def test_maxlite_trained_model_exports_to_transformers(tmp_path):
   )
   train(config, first_devices(1))
   step_dir = str(tmp_path / "t" / "checkpoints" / "2")
-  convert_hf.to_hf(step_dir, str(tmp_path / "hf"), [])
-  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-  loaded = maxlite_config(step_dir)
-  ids = token_ids(loaded.vocab_size)
-  with torch.no_grad():
-    expected = model(torch.tensor(ids)).logits.numpy()
-  params = maxlite_params(loaded, step_dir)
-  assert np.abs(maxlite_logits(loaded, params, ids) - expected).max() <= 1e-4
+  model, loaded, params = export_gives_maxlite_logits(step_dir, str(tmp_path / "hf"))
   # Greedy decoding with MaxLite's KV cache picks the same tokens as transformers' generate.
   prompt = [1, 523, 77, 4096, 12]
   decoded = maxlite_config(step_dir, "max_prefill_predict_length=8", "max_decode_steps=12")

@@ -144,20 +144,10 @@ def test_int8_training_follows_full_precision_resumes_exactly_and_its_checkpoint
   more = train(resumed, first_devices(1))
   assert [r["step"] for r in more if "loss" in r] == [31, 32]
   # ...and transformers reads it as MaxLite's unquantized model.
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  from test_hf_interop import maxlite_config, maxlite_logits, maxlite_params, token_ids
+  pytest.importorskip("transformers")
+  from test_hf_interop import export_gives_maxlite_logits
 
-  from MaxLite.checkpoint import hf as convert_hf
-
-  step_dir = str(tmp_path / "int8" / "checkpoints" / "30")
-  convert_hf.to_hf(step_dir, str(tmp_path / "hf"), [])
-  exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-  loaded = maxlite_config(step_dir)
-  ids = token_ids(loaded.vocab_size)
-  with torch.no_grad():
-    expected = exported(torch.tensor(ids)).logits.numpy()
-  assert np.abs(maxlite_logits(loaded, maxlite_params(loaded, step_dir), ids) - expected).max() <= 1e-4
+  export_gives_maxlite_logits(str(tmp_path / "int8" / "checkpoints" / "30"), str(tmp_path / "hf"))
 
 
 DEEPSEEK = ("model_name=tiny-deepseek", "sparse_matmul=false")
