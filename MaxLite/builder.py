@@ -84,7 +84,8 @@ def random_parameters(config: Config, params: Parameters) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Training:
   """Everything a training step needs besides its data. `shardings` place the state between steps (host offload
-  included); `device_shardings` are the same on the device alone."""
+  included); `device_shardings` are the same on the device alone. `batch_sharding` places one member's batch (an
+  eval batch); the step's own input is placed as sharding.batch_sharding(loaded=True) says."""
 
   model: Transformer
   tx: Any
@@ -107,11 +108,16 @@ def training(config: Config, mesh: Mesh) -> Training:
   model_ = model(config, deterministic=config.dropout_rate == 0.0)
   tx = create_optimizer(config)
   abstract, logical, device_shardings = abstract_state(model_, tx, config, mesh)
+  if config.ensemble_size > 1:  # every member's arrays stacked on a leading axis (training/ensemble.py)
+    from MaxLite.training import ensemble
+
+    abstract, logical, device_shardings = ensemble.stack(abstract, logical, config, mesh)
   if config.enable_lora:
     from MaxLite.layers.lora import check_matches
 
     check_matches(abstract.params, config)
   shardings = sharding_lib.with_host_offload(device_shardings, config)
   batch_sharding = sharding_lib.batch_sharding(mesh, config)
-  step = jit_train_step(config, shardings, batch_sharding, sharding_lib.replicated(mesh))
+  loaded = sharding_lib.batch_sharding(mesh, config, loaded=True)
+  step = jit_train_step(config, shardings, loaded, sharding_lib.replicated(mesh))
   return Training(model_, tx, abstract, logical, device_shardings, shardings, batch_sharding, step)

@@ -25,6 +25,7 @@ import jax
 
 from MaxLite.aot.compile_step import lower_train_step
 from MaxLite.config import load_config
+from MaxLite.config.choices import MESH_AXES
 from MaxLite.training.trainer import train
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
@@ -78,9 +79,7 @@ def main(argv: list[str]) -> None:
     step_times = [r["step_time_s"] for r in rows[2:]]  # step 1 compiles, step 2 may still warm up
     result = {
       "layout": name,
-      "mesh": {
-        k: v for k, v in zip(("data", "stage", "fsdp", "sequence", "tensor", "expert"), config.mesh_shape) if v > 1
-      },
+      "mesh": {k: v for k, v in zip(MESH_AXES, config.mesh_shape) if v > 1},
       "median_step_s": round(statistics.median(step_times), 4),
       "tokens_per_s": round(
         config.global_batch_size_to_train_on * config.max_target_length / statistics.median(step_times)

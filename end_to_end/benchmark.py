@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
   # measurement is not part of a training launch.
   launch_to_first_step = trained - _START - measuring - sum(r["step_time_s"] for r in rows[1:])
   step_s = statistics.median(r["step_time_s"] for r in rows[WARMUP_STEPS:])
-  tokens = config.global_batch_size_to_train_on * config.max_target_length
+  tokens = config.global_batch_size_to_train_on * config.ensemble_size * config.max_target_length  # every member's
   tflops_per_device = flops.tflops_per_device_per_step(config) / step_s
   print(
     json.dumps(
@@ -74,6 +74,7 @@ def main(argv: list[str]) -> None:
         "config": os.path.relpath(config_path, REPO),
         "overrides": overrides,
         "devices": config.num_devices,
+        "ensemble_size": config.ensemble_size,
         "dtype": config.dtype,
         "model_params": config.num_params,
         "tokens_per_step": tokens,

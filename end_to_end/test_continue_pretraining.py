@@ -5,13 +5,9 @@ its greedy continuation is the text decode.py printed."""
 import json
 import os
 import re
-import shlex
-import subprocess
-import sys
 
-import procs
 import pytest
-from procs import REPO
+from procs import REPO, output_of, readme_commands
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -77,22 +73,6 @@ def llama_folder(path):
     json.dump({"bos_token": specials[0], "eos_token": specials[1], "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
-def readme_commands(heading="### Continue pretraining Llama 3.2 1B"):
-  """The command lines of the README's first bash block under `heading` (continuations joined, comments out)."""
-  with open(os.path.join(REPO, "README.md")) as f:
-    text = f.read()
-  block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-  lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
-  return [shlex.split(line) for line in lines]
-
-
-def run(args, timeout=300):
-  env = procs.env_with_devices(1)  # one CPU device, the tests' other XLA flags kept (fast compiles)
-  done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-  assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
-  return done.stdout
-
-
 def test_readme_commands_convert_train_decode_export(tmp_path):
   """The README's four commands as written, with its paths pointed at this test's files and, appended (later keys
   win), what a laptop needs: float32, 3 steps of 64 tokens."""
@@ -113,7 +93,7 @@ def test_readme_commands_convert_train_decode_export(tmp_path):
     + [f"base_output_directory={tmp_path}", "eval_interval=-1"],
     "decode.py": ["max_target_length=64", "max_prefill_predict_length=16", "max_decode_steps=8", "jax_cache_dir="],
   }
-  commands = readme_commands()
+  commands = readme_commands("### Continue pretraining Llama 3.2 1B")
   assert [c[1] for c in commands] == ["MaxLite/convert_hf.py", "MaxLite/train.py", "MaxLite/decode.py"] + [
     "MaxLite/convert_hf.py"
   ]
@@ -122,7 +102,7 @@ def test_readme_commands_convert_train_decode_export(tmp_path):
     assert python == "python"
     args = [pattern.sub(lambda m: places[m.group(0)], a) for a in args]
     extra = [] if "to_hf" in args else laptop[os.path.basename(script)]
-    printed[script] = run([script, *args, *extra])
+    printed[script] = output_of([script, *args, *extra])
   prompt = "The capital of France is"
   ours = printed["MaxLite/decode.py"].split(f"[0] {prompt}", 1)[1].rstrip("\n")
 

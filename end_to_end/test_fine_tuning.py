@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import procs
 import pytest
-from test_continue_pretraining import readme_commands, run
+from procs import output_of, readme_commands
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -153,7 +153,7 @@ def test_readme_walkthrough_sft_dpo_decode_export(tmp_path):
     assert python == "python"
     args = [pattern.sub(lambda m: places[m.group(0)], a) for a in args]
     extra = [] if "to_hf" in args else laptop[os.path.basename(script)]
-    printed[script] = run([script, *args, *extra])
+    printed[script] = output_of([script, *args, *extra])
 
   sft = procs.metric_rows(str(tmp_path / "qwen3-sft" / "metrics.jsonl"))
   dpo = procs.metric_rows(str(tmp_path / "qwen3-dpo" / "metrics.jsonl"))

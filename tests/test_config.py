@@ -9,6 +9,7 @@ from conftest import BASE_YML, REPO, make_config, run_train_cli
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import available_models, load_config, load_raw
+from MaxLite.config.choices import MESH_AXES
 
 
 def test_every_shipped_model_config_loads():
@@ -73,7 +74,8 @@ def test_mesh_fill_and_derived_values():
     "gradient_accumulation_steps=3",
     num_devices=8,
   )
-  assert c.mesh_shape == (1, 1, 4, 1, 2, 1)
+  mesh = dict(zip(MESH_AXES, c.mesh_shape))
+  assert mesh == {"ensemble": 1, "data": 1, "stage": 1, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
   assert c.micro_batch_size == 8 and c.global_batch_size_to_train_on == 24
   assert c.batch_mesh_axes == ("data", "fsdp", "expert")
 

@@ -81,7 +81,9 @@ def commands_in(line: str) -> list[tuple[str, list[str]]]:
     for arg in tokens[i + 1 :]:
       if arg in SEPARATORS:
         break
-      arg = arg.removeprefix("[").removesuffix("]")
+      arg = arg.removeprefix("[")
+      if "=[" not in arg:  # key=[a,b] is a list value, not the end of an optional part
+        arg = arg.removesuffix("]")
       if arg and arg != "...":
         args.append(arg)
     found.append((tool, args))

@@ -89,7 +89,7 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     pieces = builder.training(config, mesh)
     abstract, shardings = pieces.abstract, pieces.shardings
-    ids = jax.ShapeDtypeStruct((config.global_batch_size_to_train_on, config.max_target_length), jnp.int32)
+    ids = jax.ShapeDtypeStruct((config.global_batch_size_to_load, config.max_target_length), jnp.int32)
     batch = {k: ids for k in BATCH_KEYS}
     lowered = pieces.step.lower(abstract, batch)
   state_bytes = {

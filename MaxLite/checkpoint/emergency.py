@@ -41,6 +41,7 @@ from MaxLite.checkpoint.manager import (
 from MaxLite.checkpoint.reads import read
 from MaxLite.cli.errors import CheckpointError, InputError
 from MaxLite.config import Config
+from MaxLite.config.choices import MESH_AXES
 
 DATA_POSITIONS = "data_positions"
 
@@ -80,7 +81,7 @@ class EmergencyCheckpoints:
         save_interval_steps=config.checkpoint_period,
         max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
       ),
-      replica_axis_index=0,  # the data axis (MESH_AXES[0])
+      replica_axis_index=MESH_AXES.index("data"),
       enable_async_checkpointing=config.async_checkpointing,
     )
     if jax.process_count() > 1:  # the process <-> device maps orbax's emergency manager reads (as MaxText does)

@@ -85,7 +85,7 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
       layer = whole[j] if config.scan_layers else whole
       layer[part_slice(t.part) if t.part is not None else ...] = value
   _check_against_model(params, config)
-  return _save(params, config, output_path)
+  return save_params(params, config, output_path)
 
 
 def _layer_slot(family: models.Family, config: Any, layer: int) -> tuple[models.Stack, int]:
@@ -150,7 +150,7 @@ def _to_jax(tree: dict) -> dict:
   return tree
 
 
-def _save(params: dict, config: Any, output_path: str) -> str:
+def save_params(params: dict, config: Any, output_path: str) -> str:
   step_dir = storage.join(storage.absolute(output_path), "0")
   if storage.exists(step_dir):
     raise InputError(f"--output_path={output_path}: {step_dir} already exists; choose a new directory")
@@ -183,7 +183,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   abstract = builder.abstract_parameters(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-  params = jax.tree.map(np.asarray, lora_steps.load_params(checkpoint_path, target))
+  params = jax.tree.map(np.asarray, lora_steps.load_params(checkpoint_path, target, config.ensemble_member))
   dtype = np.dtype(config.weight_dtype)
   tensors = []
 

@@ -1,7 +1,8 @@
-"""Parameters from a checkpoint step that may be a LoRA run's. Such a step holds only adapters (training/
-lora_training.py); the weights it stands for are its base (its own load_parameters_path, itself possibly a LoRA
-step) with the adapters merged in. Every reader of load_parameters_path comes here: training (full, or LoRA on top
-of an SFT LoRA step), decoding and the Hugging Face export, which so writes the merged full weights."""
+"""Parameters from a checkpoint step that may be a LoRA run's or an ensemble's. A LoRA step holds only adapters
+(training/lora_training.py); the weights it stands for are its base (its own load_parameters_path, itself possibly a
+LoRA step) with the adapters merged in. An ensemble's step holds every member stacked on a leading axis; a reader names
+one with ensemble_member. Every reader of load_parameters_path comes here: training (full, or LoRA on top of an SFT
+LoRA step), decoding and the Hugging Face export, which so writes the merged full weights."""
 
 from __future__ import annotations
 
@@ -13,18 +14,44 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxLite import storage
 from MaxLite.checkpoint import manager
-from MaxLite.cli.errors import CheckpointError
+from MaxLite.cli.errors import CheckpointError, ConfigError
 from MaxLite.layers import lora
 from MaxLite.storage.layout import saved_config_path, step_dir_of
 
 
+def _saved_settings(path: str) -> dict[str, Any]:
+  saved = saved_config_path(step_dir_of(path))
+  stored = json.loads(storage.read_text(saved)) if storage.isfile(saved) else {}
+  return stored if isinstance(stored, dict) else {}
+
+
 def lora_settings(path: str) -> dict[str, Any] | None:
   """The saved config of the LoRA run that wrote step `path`, or None for any other step."""
-  saved = saved_config_path(step_dir_of(path))
-  if not storage.isfile(saved):
-    return None
-  stored = json.loads(storage.read_text(saved))
-  return stored if isinstance(stored, dict) and stored.get("enable_lora") else None
+  stored = _saved_settings(path)
+  return stored if stored.get("enable_lora") else None
+
+
+def ensemble_size_of(path: str) -> int:
+  """How many members the run that wrote step `path` trained (1: not an ensemble)."""
+  return int(_saved_settings(path).get("ensemble_size", 1))
+
+
+def _member(path: str, target_params: Any, size: int, member: int) -> Any:
+  """Member `member` of an ensemble's step, read whole (members stacked) and sliced to `target_params`' placement."""
+  if not 0 <= member < size:
+    raise ConfigError(
+      f"{path} holds an ensemble of {size} members: choose one with ensemble_member=0..{size - 1} (got {member})"
+    )
+
+  def stacked(t: Any) -> jax.ShapeDtypeStruct:
+    sharding = t.sharding
+    if isinstance(sharding, NamedSharding):
+      sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return jax.ShapeDtypeStruct((size, *t.shape), t.dtype, sharding=sharding)
+
+  every = manager.load_params(path, jax.tree.map(stacked, target_params))
+  shardings = jax.tree.map(lambda t: t.sharding, target_params)
+  return jax.jit(lambda tree: jax.tree.map(lambda a: a[member], tree), out_shardings=shardings)(every)
 
 
 def adapters_of(path: str, mesh_of: Any) -> dict:
@@ -43,9 +70,14 @@ def adapters_of(path: str, mesh_of: Any) -> dict:
   return manager.load_params(path, tree)
 
 
-def load_params(path: str, target_params: Any) -> Any:
+def load_params(path: str, target_params: Any, member: int = -1) -> Any:
   """The parameters step `path` stands for, placed as `target_params` (a plain model's): merged when it is a LoRA
-  step."""
+  step, member `member` (ensemble_member) of an ensemble's step."""
+  size = ensemble_size_of(path)
+  if size > 1:
+    return _member(path, target_params, size, member)
+  if member != -1:
+    raise ConfigError(f"ensemble_member={member} but {path} is not an ensemble's step: leave ensemble_member unset")
   settings = lora_settings(path)
   if settings is None:
     return manager.load_params(path, target_params)

@@ -24,8 +24,16 @@ from MaxLite.checkpoint import saved_config_path
 from MaxLite.cli.errors import CheckpointError
 from MaxLite.config import MODEL_KEYS, Config
 
-# Keys that define the data stream, for any dataset_type.
-STREAM_KEYS = ("dataset_type", "data_shuffle_seed", "max_target_length", "global_batch_size_to_train_on")
+# Keys that define the data stream, for any dataset_type (and an ensemble's members, whose number shapes the state and
+# with ensemble_data=distinct the rows read per step).
+STREAM_KEYS = (
+  "dataset_type",
+  "data_shuffle_seed",
+  "max_target_length",
+  "global_batch_size_to_train_on",
+  "global_batch_size_to_load",
+  "ensemble_size",
+)
 # Keys that define the stream of real data only (synthetic data ignores them).
 FILE_STREAM_KEYS = (
   "grain_train_files",

@@ -15,9 +15,11 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-# The mesh axes, in mesh order. Config keys use MaxText's "pipeline" where the mesh axis is called "stage".
-MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
+# The mesh axes, in mesh order. Config keys use MaxText's "pipeline" where the mesh axis is called "stage". The
+# ensemble's members never talk to each other, so their axis is the outermost (slowest links, DCN included).
+MESH_AXES = ("ensemble", "data", "stage", "fsdp", "sequence", "tensor", "expert")
 AXIS_KEY = {
+  "ensemble": "ensemble",
   "data": "data",
   "stage": "pipeline",
   "fsdp": "fsdp",

@@ -14,7 +14,7 @@ from typing import Any
 
 from MaxLite import models, storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import attention_choice, post_training
+from MaxLite.config import attention_choice, ensembles, post_training
 from MaxLite.config.choices import (
   ATTENTION,
   AXIS_KEY,
@@ -447,9 +447,9 @@ def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> Non
     raise ConfigError(
       f"enable_emergency_checkpoint=true needs local_checkpoint_period > 0 (got {c['local_checkpoint_period']})"
     )
-  if mesh[MESH_AXES[0]] < 2:
+  if mesh["data"] < 2:
     raise ConfigError(
-      f"enable_emergency_checkpoint=true needs at least 2 data-parallel replicas on the {MESH_AXES[0]} axis (each "
+      "enable_emergency_checkpoint=true needs at least 2 data-parallel replicas on the data axis (each "
       "restores the others' local checkpoints); set dcn_data_parallelism or ici_data_parallelism >= 2"
     )
 
@@ -470,11 +470,13 @@ def _mesh_axes(c: dict[str, Any], num_devices: int, detected_slices: int) -> tup
 
 
 def _micro_batch(c: dict[str, Any], num_devices: int, mesh: dict[str, int]) -> tuple[int, tuple, int]:
-  """(sequences per microbatch, the mesh axes the batch is split on, their product)."""
-  micro_batch = c["per_device_batch_size"] * num_devices
+  """(sequences per microbatch, the mesh axes the batch is split on, their product). An ensemble's devices are
+  shared by its members: each member's batch is per_device_batch_size on each of the devices it spans."""
+  devices = num_devices // mesh["ensemble"]
+  micro_batch = c["per_device_batch_size"] * devices
   if not float(micro_batch).is_integer() or micro_batch < 1:
     raise ConfigError(
-      f"per_device_batch_size={c['per_device_batch_size']} x {num_devices} devices = {micro_batch} "
+      f"per_device_batch_size={c['per_device_batch_size']} x {devices} devices = {micro_batch} "
       "is not a whole number of sequences"
     )
   micro_batch = int(micro_batch)
@@ -483,7 +485,7 @@ def _micro_batch(c: dict[str, Any], num_devices: int, mesh: dict[str, int]) -> t
   if micro_batch % batch_shards:
     raise ConfigError(
       f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
-      f"{num_devices} devices) is not divisible by the {batch_shards} batch shards "
+      f"{devices} devices) is not divisible by the {batch_shards} batch shards "
       f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})"
     )
   return micro_batch, batch_axes, batch_shards
@@ -508,11 +510,13 @@ def validate_and_derive(
   _check_model_features(c)
   _check_optimizer(c)
   _check_decode(c)
+  c.update(ensembles.check(c))
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
   slices, ici, dcn = _mesh_axes(c, num_devices, detected_slices)
   mesh = {a: ici[a] * dcn[a] for a in MESH_AXES}
   _check_model_vs_mesh(c, mesh)
   _check_emergency_checkpoints(c, mesh)
+  ensembles.check_mesh(c, mesh)
   micro_batch, batch_axes, batch_shards = _micro_batch(c, num_devices, mesh)
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
   if platform is None:
@@ -543,6 +547,10 @@ def validate_and_derive(
     # One optimizer step sees gradient_accumulation_steps microbatches of micro_batch_size each.
     micro_batch_size=micro_batch,
     global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],
+    # Rows the input pipeline reads per step: with ensemble_data=distinct every member gets a batch of its own.
+    global_batch_size_to_load=micro_batch
+    * c["gradient_accumulation_steps"]
+    * (c["ensemble_size"] if c["ensemble_data"] == "distinct" else 1),
     run_dir=run_dir,
     tensorboard_dir=storage.join(run_dir, "tensorboard"),
     checkpoint_dir=storage.join(run_dir, "checkpoints"),

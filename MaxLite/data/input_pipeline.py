@@ -135,8 +135,10 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
 
 
 def make_iterator(config: Config, mesh: Mesh, split: str = "train") -> GlobalBatchIterator:
-  """Global batches of `global_batch_size_to_train_on` rows (all microbatches of one step)."""
-  sharding = batch_sharding(mesh, config)
-  global_batch = config.global_batch_size_to_train_on
+  """Global batches of all microbatches of one step: `global_batch_size_to_load` rows for training (an ensemble with
+  ensemble_data=distinct loads one batch per member), `global_batch_size_to_train_on` for eval."""
+  train = split == "train"
+  sharding = batch_sharding(mesh, config, loaded=train)
+  global_batch = config.global_batch_size_to_load if train else config.global_batch_size_to_train_on
   local = _local_iterator(config, split, sharding, global_batch)
   return GlobalBatchIterator(local, sharding, (global_batch, config.max_target_length))

@@ -136,7 +136,7 @@ def load_params(config: Any, mesh: Any) -> Any:
     print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
     return builder.random_parameters(config, params)
   target = checkpointing.sharded_target(params.abstract, params.shardings)
-  loaded = lora_steps.load_params(config.load_parameters_path, target)
+  loaded = lora_steps.load_params(config.load_parameters_path, target, config.ensemble_member)
   if not (config.enable_lora and config.hf_lora_adapter_path):
     return loaded
   from MaxLite.checkpoint import lora_peft

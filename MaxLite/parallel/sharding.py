@@ -70,8 +70,12 @@ def on_device(tree: Any, shardings: Any) -> Any:
   return jax.device_put(tree, jax.tree.map(lambda s: s.with_memory_kind(DEVICE), shardings, is_leaf=_is_sharding))
 
 
-def batch_sharding(mesh: Mesh, config: Config) -> NamedSharding:
-  """Input batches [batch, seq] are split on the batch axes only; the model reshards the sequence."""
+def batch_sharding(mesh: Mesh, config: Config, loaded: bool = False) -> NamedSharding:
+  """Input batches [batch, seq] are split on the batch axes only; the model reshards the sequence. loaded=True: the
+  rows the training input loads, which with ensemble_data=distinct are every member's batch, member-major, so the
+  ensemble axis splits them first."""
+  if loaded and config.ensemble_size > 1 and config.ensemble_data == "distinct":
+    return NamedSharding(mesh, PartitionSpec(("ensemble", *config.batch_mesh_axes), None))
   return logical_to_sharding(PartitionSpec("activation_batch", None), mesh, config)
 
 

@@ -86,8 +86,8 @@ def rank(results: list[search.Result]) -> list[search.Result]:
 
 def describe(plan: candidates.Candidate) -> str:
   c = plan.config
-  names = ("data", "stage", "fsdp", "seq", "tensor", "expert")
-  mesh = " ".join(f"{a}{n}" for a, n in zip(names, c["mesh_shape"]) if n > 1)
+  names = {"sequence": "seq"}
+  mesh = " ".join(f"{names.get(a, a)}{n}" for a, n in zip(choices.MESH_AXES, c["mesh_shape"]) if n > 1)
   accumulate = f" x{c['gradient_accumulation_steps']}acc" if c["gradient_accumulation_steps"] > 1 else ""
   micro = f" mb{c['num_pipeline_microbatches']}" if c["num_pipeline_stages"] > 1 else ""
   batch = f"b{c['per_device_batch_size']:g}{accumulate}{micro}"

@@ -9,20 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from MaxLite import builder
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
+from MaxLite.training import ensemble
 from MaxLite.training.dpo import REWARD_METRICS
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.train_state import model_params
 from MaxLite.training.train_step import jit_eval_step
 
 
-def eval_metrics(totals: dict[str, float], use_dpo: bool) -> dict[str, float]:
+def eval_metrics(totals: dict[str, Any], use_dpo: bool) -> dict[str, float]:
   """The logged eval metrics from the sums over every eval batch: cross-entropy per token (without z-loss), or DPO's
-  loss and TRL's rewards per pair."""
+  loss and TRL's rewards per pair, or an ensemble's (each member's and the ensemble's)."""
+  if "ensemble_xent_sum" in totals:
+    return ensemble.eval_metrics(totals)
   if use_dpo:
     pairs = max(totals["pairs"], 1.0)
     return {"eval_loss": totals["dpo_loss_sum"] / pairs} | {f"eval_{k}": totals[k] / pairs for k in REWARD_METRICS}
@@ -44,11 +48,11 @@ def evaluate(
     for _ in range(config.eval_steps):
       args = (params, next(batches)) + ((reference,) if config.use_dpo else ())
       for k, v in jax.device_get(eval_fn(*args)).items():
-        totals[k] = totals.get(k, 0.0) + float(v)
+        totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)  # an ensemble sums one value per member
   finally:
     if own:
       batches.close()
-  return eval_metrics(totals, config.use_dpo)
+  return {k: float(v) for k, v in eval_metrics(totals, config.use_dpo).items()}
 
 
 class NoEvaluator:
@@ -68,13 +72,14 @@ class Evaluator:
   def __init__(self, config: Config, mesh: jax.sharding.Mesh, state_shardings: Any, batch_sharding: Any):
     self._config, self._mesh = config, mesh
     reference = state_shardings.frozen if config.enable_lora else None  # LoRA: DPO's reference is the base
-    self._eval_fn = jit_eval_step(
+    jit = ensemble.jit_eval_step if config.ensemble_size > 1 else jit_eval_step
+    self._eval_fn = jit(
       config,
       builder.model(config).apply,
       model_params(state_shardings),
       batch_sharding,
       sharding_lib.replicated(mesh),
-      reference,
+      *([] if config.ensemble_size > 1 else [reference]),
     )
     self._batches = input_pipeline.make_iterator(config, mesh, "eval")
 

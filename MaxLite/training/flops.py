@@ -51,4 +51,5 @@ def decoder_flops(config: Config, attended_keys: float | None = None) -> dict[st
 
 
 def tflops_per_device_per_step(config: Config) -> float:
-  return training_flops_per_step(config)["total"] / config.num_devices / 1e12
+  """An ensemble's devices do every member's work."""
+  return training_flops_per_step(config)["total"] * config.ensemble_size / config.num_devices / 1e12

@@ -108,6 +108,11 @@ def log_line(row: dict[str, Any]) -> str:
   ]
   if "mfu" in row:
     parts.append(f"MFU {100 * row['mfu']:.1f}%")
+  members: list[float] = []
+  while f"loss/member_{len(members)}" in row:
+    members.append(row[f"loss/member_{len(members)}"])
+  if members:  # an ensemble: `loss` above is their mean
+    parts.append("member losses " + " ".join(f"{loss:.4f}" for loss in members))
   if "rewards/accuracies" in row:
     parts.append(f"rewards/accuracies {row['rewards/accuracies']:.3f} margins {row['rewards/margins']:.3f}")
   if "moe_lb_loss" in row:
@@ -119,6 +124,13 @@ def metrics_row(
   config: Config, step: int, values: dict[str, float], step_time: float, tflops_per_step: float
 ) -> dict[str, Any]:
   """One step's row of metrics.jsonl from its device metrics, its wall time and its TFLOPs per device."""
+  for name in values:  # an ensemble member that diverged is named: its learning rate is the likely cause
+    if name.startswith("loss/member_") and not np.isfinite(values[name]):
+      member = name.rsplit("_", 1)[1]
+      raise NonFiniteLossError(
+        f"step {step}: ensemble member {member}'s loss is {values[name]}; stopping (lower its rate in "
+        f"ensemble_learning_rates, or gradient_clipping_threshold)"
+      )
   if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
     raise NonFiniteLossError(
       f"step {step}: loss is {values['loss']} and grad_norm is {values['grad_norm']}; "
@@ -131,7 +143,7 @@ def metrics_row(
     "learning_rate": values["learning_rate"],
     "grad_norm": values["grad_norm"],
     "step_time_s": step_time,
-    "tokens_per_s": config.global_batch_size_to_train_on * config.max_target_length / step_time,
+    "tokens_per_s": config.global_batch_size_to_train_on * config.ensemble_size * config.max_target_length / step_time,
     "tflops_per_device": tflops,
   }
   if config.z_loss_multiplier and "z_loss" in values:
@@ -140,6 +152,7 @@ def metrics_row(
     row["trained_tokens"] = values["tokens"]  # tokens the loss covers (SFT: the completions; DPO: the responses)
   row.update({k: values[k] for k in (*REWARD_METRICS, "pairs") if k in values})
   row.update({k: values[k] for k in ("moe_lb_loss", "moe_dropped_fraction") if k in values})
+  row.update({k: v for k, v in values.items() if "/member_" in k})  # an ensemble's one series per member
   if config.peak_tflops_per_device > 0:
     row["mfu"] = tflops / config.peak_tflops_per_device
   return row

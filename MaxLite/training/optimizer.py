@@ -8,11 +8,12 @@ import optax
 from MaxLite.config import Config
 
 
-def learning_rate_schedule(config: Config) -> optax.Schedule:
-  """Linear warmup from 0 to learning_rate, then cosine down to learning_rate * final fraction."""
+def learning_rate_schedule(config: Config, peak: float | jax.Array | None = None) -> optax.Schedule:
+  """Linear warmup from 0 to the peak (learning_rate, or an ensemble member's), then cosine down to the peak times
+  learning_rate_final_fraction."""
   total = config.learning_rate_schedule_steps
   warmup = int(config.warmup_steps_fraction * total)
-  peak = config.learning_rate
+  peak = config.learning_rate if peak is None else peak
   cosine = optax.cosine_decay_schedule(peak, max(total - warmup, 1), alpha=config.learning_rate_final_fraction)
   if warmup == 0:
     return cosine
@@ -29,9 +30,10 @@ def _decay_mask(params):
   )
 
 
-def create_optimizer(config: Config) -> optax.GradientTransformation:
+def create_optimizer(config: Config, peak: float | jax.Array | None = None) -> optax.GradientTransformation:
+  """AdamW (and clipping) as configured; `peak`: an ensemble member's peak learning rate, traced inside the step."""
   adamw = optax.adamw(
-    learning_rate_schedule(config),
+    learning_rate_schedule(config, peak),
     b1=config.adam_b1,
     b2=config.adam_b2,
     eps=config.adam_eps,

@@ -27,6 +27,7 @@ _SHOWN_DERIVED = (
   "batch_mesh_axes",
   "micro_batch_size",
   "global_batch_size_to_train_on",
+  "global_batch_size_to_load",
   "learning_rate_schedule_steps",
   "num_params",
 )

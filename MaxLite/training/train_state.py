@@ -81,9 +81,14 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: C
 
 
 def create_train_state(
-  model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any, abstract: Any = None
 ) -> TrainState:
-  """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state."""
+  """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state. An ensemble's
+  (`abstract`: its stacked state) initialises every member from its own seed."""
+  if config.ensemble_size > 1:
+    from MaxLite.training import ensemble
+
+    return ensemble.create_state(model, tx, config, shardings, abstract)
   init = jax.jit(functools.partial(_init_state, model, tx, config), out_shardings=shardings)
   return unbox(init(jax.random.key(config.init_weights_seed)))
 

@@ -14,7 +14,7 @@ from MaxLite.layers import lora
 from MaxLite.layers.decoder import logits_dtype
 from MaxLite.parallel.sharding import on_device
 from MaxLite.training import dpo, loss
-from MaxLite.training.optimizer import learning_rate_schedule
+from MaxLite.training.optimizer import create_optimizer, learning_rate_schedule
 from MaxLite.training.train_state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -117,24 +117,31 @@ def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) 
   return grads, aux
 
 
-def train_step(state: TrainState, batch: Batch, *, config: Config, shardings: Any = None) -> tuple[TrainState, dict]:
-  """`shardings` (the state's): where host-offloaded params or optimizer state live, to bring them in."""
+def train_step(
+  state: TrainState, batch: Batch, *, config: Config, shardings: Any = None, member: dict | None = None
+) -> tuple[TrainState, dict]:
+  """`shardings` (the state's): where host-offloaded params or optimizer state live, to bring them in. `member`: an
+  ensemble member's own "seed" and peak "learning_rate" (traced; training/ensemble.py maps this step over them)."""
   if shardings is not None:
     state = state.replace(
       params=on_device(state.params, shardings.params), opt_state=on_device(state.opt_state, shardings.opt_state)
     )
-  rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
+  peak = None if member is None else member["learning_rate"]
+  rng = jax.random.fold_in(jax.random.key(config.seed if member is None else member["seed"]), state.step)
   grads, aux = _gradients(state, batch, rng, config)
   count = jnp.maximum(aux["count"], 1.0)  # tokens, or DPO's pairs
   grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
   grad_norm = optax.global_norm(grads)
-  new_state = state.apply_gradients(grads=grads)
+  if member is None:
+    new_state = state.apply_gradients(grads=grads)
+  else:  # the member's own schedule; its optimizer state has the same structure, so `tx` goes back unchanged
+    new_state = state.replace(tx=create_optimizer(config, peak)).apply_gradients(grads=grads).replace(tx=state.tx)
   if "expert_counts" in aux and config.routed_bias_update_rate > 0:
     new_state = new_state.replace(params=update_routing_bias(new_state.params, aux["expert_counts"], config))
   metrics = {
     "loss": aux["loss_sum"] / count,
     "grad_norm": grad_norm,
-    "learning_rate": learning_rate_schedule(config)(state.step),
+    "learning_rate": learning_rate_schedule(config, peak)(state.step),
     "tokens": aux["tokens"],
   }
   if config.use_dpo:
@@ -210,6 +217,10 @@ class _TrainStep:
 
 def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any) -> _TrainStep:
   def split_train_step(params: Any, rest: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    if config.ensemble_size > 1:
+      from MaxLite.training.ensemble import ensemble_train_step  # it maps this module's train_step over members
+
+      return ensemble_train_step(params, rest, batch, config=config)
     return train_step(rest.replace(params=params), batch, config=config, shardings=state_shardings)
 
   return _TrainStep(

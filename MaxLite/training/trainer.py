@@ -23,7 +23,7 @@ from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
-from MaxLite.training import lora_training
+from MaxLite.training import ensemble, lora_training
 from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer
 from MaxLite.training.evaluation import make_evaluator
 from MaxLite.training.metrics import StepLog
@@ -73,10 +73,15 @@ def initial_state(
     logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
     return state, int(state.step)
   if config.load_parameters_path:
-    params = lora_steps.load_params(config.load_parameters_path, target.params)
+    if config.ensemble_size > 1:  # every member starts from these parameters
+      one = ensemble.one_member_target(target.params)
+      params = lora_steps.load_params(config.load_parameters_path, one, config.ensemble_member)
+      logging.info("loaded parameters from %s into every member (step 0)", config.load_parameters_path)
+      return ensemble.state_from_params(model, tx, config, params, shardings, pieces.abstract), 0
+    params = lora_steps.load_params(config.load_parameters_path, target.params, config.ensemble_member)
     logging.info("loaded parameters from %s (fresh optimizer, step 0)", config.load_parameters_path)
     return state_from_params(model, tx, config, params, shardings), 0
-  return create_train_state(model, tx, config, shardings), 0
+  return create_train_state(model, tx, config, shardings, pieces.abstract), 0
 
 
 def _log_memory(config: Config, state: Any) -> None:
@@ -154,4 +159,5 @@ def _done(config: Config, step: int, rows: list[dict[str, Any]]) -> str:
   )
   evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
   eval_loss = f", eval loss {evals[-1]:.4f}" if evals else ""
-  return f"done: step {step}{stopped}, {saved}{eval_loss}, metrics in {config.metrics_file}"
+  best = ensemble.best_member(config, rows) if config.ensemble_size > 1 else ""
+  return f"done: step {step}{stopped}, {saved}{eval_loss}{best}, metrics in {config.metrics_file}"
