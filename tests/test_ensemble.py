@@ -35,10 +35,19 @@ def _series(rows, key):
 
 def test_members_equal_separate_runs_on_one_device(tmp_path):
   """Two members differing by seed (the default): member i's losses and grad norms are those of a run with
-  init_weights_seed=i and seed=i; the members do differ."""
-  rows = _train(tmp_path, "ensemble", "ensemble_size=2", "per_device_batch_size=2")
+  init_weights_seed=i and seed=i, with warm-up, two accumulated microbatches, dropout and a clipping threshold the
+  gradients exceed (each member's own); the members do differ."""
+  each = (
+    "per_device_batch_size=2",
+    "warmup_steps_fraction=0.5",
+    "gradient_accumulation_steps=2",
+    "dropout_rate=0.1",
+    "gradient_clipping_threshold=0.5",
+  )
+  rows = _train(tmp_path, "ensemble", "ensemble_size=2", *each)
+  assert min(_series(rows, "grad_norm/member_1")) > 0.5  # clipped every step
   for i in range(2):
-    alone = _train(tmp_path, f"alone{i}", f"init_weights_seed={i}", f"seed={i}", "per_device_batch_size=2")
+    alone = _train(tmp_path, f"alone{i}", f"init_weights_seed={i}", f"seed={i}", *each)
     np.testing.assert_allclose(_series(rows, f"loss/member_{i}"), _series(alone, "loss"), rtol=1e-5)
     np.testing.assert_allclose(_series(rows, f"grad_norm/member_{i}"), _series(alone, "grad_norm"), rtol=1e-5)
   assert abs(rows[0]["loss/member_0"] - rows[0]["loss/member_1"]) > 1e-3
@@ -63,6 +72,7 @@ def test_learning_rate_sweep_sharded_over_eight_devices(tmp_path):
     alone = _train(tmp_path, f"rate{i}", f"learning_rate={rates[i]}", "per_device_batch_size=2", num_devices=2)
     np.testing.assert_allclose(_series(rows, f"loss/member_{i}"), _series(alone, "loss"), rtol=1e-5)
     np.testing.assert_allclose(_series(rows, f"learning_rate/member_{i}"), _series(alone, "learning_rate"), rtol=1e-6)
+    np.testing.assert_allclose(_series(rows, f"grad_norm/member_{i}"), _series(alone, "grad_norm"), rtol=1e-5)
   # Same seeds, same data: the first step's loss is the same model on the same batch for every member.
   np.testing.assert_allclose([rows[0][f"loss/member_{i}"] for i in range(4)], rows[0]["loss/member_0"], rtol=1e-6)
   assert rows[-1]["loss/member_3"] != pytest.approx(rows[-1]["loss/member_0"], rel=1e-3)
@@ -86,6 +96,21 @@ def test_ensemble_state_is_sharded_over_the_ensemble_axis():
   assert placed.shard_shape(embedding.shape)[0] == 2  # 8 members over 4 devices
   assert placed.shard_shape(embedding.shape)[1:] != embedding.shape[1:]  # and each member split over fsdp=2
   assert pieces.abstract.step.shape == ()  # one step counter
+
+
+def test_a_diverging_member_keeps_its_weights_while_the_others_train(tmp_path):
+  """A sweep with an absurd rate: that member's loss turns NaN, the run still finishes and saves a finite checkpoint,
+  and the sane member trains exactly as it does beside a sane partner."""
+  common = ("ensemble_size=2", "per_device_batch_size=2", "steps=4", "enable_checkpointing=true")
+  rows = _train(tmp_path, "wild", *common, "ensemble_learning_rates=[3.0e-3,1.0e30]")
+  sane = _train(tmp_path, "sane", *common, "ensemble_learning_rates=[3.0e-3,1.0e-3]")
+  wild = _series(rows, "loss/member_1")
+  assert np.isfinite(wild[0]) and np.isnan(wild[-1])
+  assert _series(rows, "loss/member_0") == _series(sane, "loss/member_0")
+  # The logged loss is the mean over the members still training: member 0's alone once member 1 has diverged.
+  stopped = [r for r in rows if "loss" in r and np.isnan(r["loss/member_1"])]
+  assert stopped and all(r["loss"] == pytest.approx(r["loss/member_0"], rel=1e-6) for r in stopped)
+  assert os.path.isdir(tmp_path / "wild" / "checkpoints" / "4")
 
 
 def test_distinct_data_gives_each_member_its_own_batches(tmp_path):
@@ -183,7 +208,9 @@ def test_one_member_decodes_and_exports(tmp_path):
       "ensemble_size=3 does not divide over the ensemble mesh axis of 2",
     ),
     (("ensemble_size=2", "ensemble_learning_rates=[1e-3]"), "ensemble_learning_rates has 1 values for ensemble_size=2"),
-    (("ensemble_size=2", "ensemble_member=2"), "ensemble_member=2 is out of range"),
+    (("ensemble_size=2", "ensemble_member=1"), "ensemble_member=1 without load_parameters_path: it picks a member"),
+    (("ensemble_learning_rates=[1e-3]",), "ensemble_learning_rates has 1 values but ensemble_size=1"),
+    (("ensemble_member=-2",), "ensemble_member=-2 is out of range"),
     (("ensemble_size=2", "ensemble_data=shuffled"), "ensemble_data='shuffled' is not one of: same, distinct"),
     (("ensemble_size=2", "enable_lora=true"), "ensemble_size=2 with enable_lora=true: LoRA is not supported"),
   ],

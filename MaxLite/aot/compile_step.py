@@ -197,14 +197,17 @@ def report(
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   compiled_flops = float(cost.get("flops", 0.0)) if cost else 0.0
-  model_flops = flops.training_flops_per_step(config)["total"] / config.num_devices
+  model_flops = flops.tflops_per_device_per_step(config) * 1e12  # every ensemble member's
+
   mesh = " x ".join(f"{a}={n}" for a, n in zip(choices.MESH_AXES, config.mesh_shape) if n > 1) or "1"
-  tokens = config.global_batch_size_to_train_on * config.max_target_length
+  tokens = config.global_batch_size_to_train_on * config.ensemble_size * config.max_target_length
+  members = f" x {config.ensemble_size} ensemble members" if config.ensemble_size > 1 else ""
   lines = [
     f"compiled train step for {target.name} x {config.num_slices} slice(s) ({config.num_devices} devices, "
     f"mesh {mesh}) in {seconds:.1f} s",
-    f"model {config.model_name}: {state_bytes['parameters']:,} parameters, global batch "
-    f"{config.global_batch_size_to_train_on} x {config.max_target_length} tokens, dtype {config.dtype}, "
+    f"model {config.model_name}: {state_bytes['parameters'] // config.ensemble_size:,} parameters{members}, global "
+    f"batch {config.global_batch_size_to_train_on} x {config.max_target_length} tokens{' each' if members else ''}, "
+    f"dtype {config.dtype}, "
     f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
     "per device:",
     f"  params          {_gib(state_bytes['params'])}{_where(config.parameter_memory_host_offload)}"

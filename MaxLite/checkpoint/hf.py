@@ -224,7 +224,8 @@ def _peft_adapter(checkpoint_path: str, config: Any, target: Any, output_path: s
   from MaxLite.checkpoint import lora_peft
 
   base_path = settings.get("load_parameters_path") or settings.get("load_full_state_path")
-  base = jax.tree.map(np.asarray, lora_steps.load_params(base_path, target))
+  member = int(settings.get("ensemble_member", -1))  # the ensemble member the adapters were trained on, if any
+  base = jax.tree.map(np.asarray, lora_steps.load_params(base_path, target, member))
   adapters = jax.tree.map(np.asarray, lora_steps.adapters_of(checkpoint_path, jax.tree.leaves(target)[0]))
   folder = storage.join(output_path, "adapter")
   written = lora_peft.write_adapter(folder, config, base, adapters, settings["lora_rank"], settings["lora_alpha"])

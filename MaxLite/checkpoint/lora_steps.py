@@ -76,9 +76,9 @@ def load_params(path: str, target_params: Any, member: int = -1) -> Any:
   size = ensemble_size_of(path)
   if size > 1:
     return _member(path, target_params, size, member)
-  if member != -1:
-    raise ConfigError(f"ensemble_member={member} but {path} is not an ensemble's step: leave ensemble_member unset")
   settings = lora_settings(path)
+  if member != -1 and not (settings and int(settings.get("ensemble_member", -1)) == member):
+    raise ConfigError(f"ensemble_member={member} but {path} is not an ensemble's step: leave ensemble_member unset")
   if settings is None:
     return manager.load_params(path, target_params)
   base_path = settings.get("load_parameters_path") or settings.get("load_full_state_path")
@@ -87,7 +87,7 @@ def load_params(path: str, target_params: Any, member: int = -1) -> Any:
       f"{path} is a LoRA step trained on a randomly initialised base (no load_parameters_path): its weights cannot be "
       "rebuilt; train the adapters on a saved base"
     )
-  base = load_params(base_path, target_params)
+  base = load_params(base_path, target_params, int(settings.get("ensemble_member", -1)))  # the member it was trained on
   adapters = adapters_of(path, jax.tree.leaves(target_params)[0])
   scale = float(settings["lora_alpha"]) / int(settings["lora_rank"])
   shardings = jax.tree.map(lambda t: t.sharding, target_params)

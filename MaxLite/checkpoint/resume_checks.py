@@ -24,15 +24,13 @@ from MaxLite.checkpoint import saved_config_path
 from MaxLite.cli.errors import CheckpointError
 from MaxLite.config import MODEL_KEYS, Config
 
-# Keys that define the data stream, for any dataset_type (and an ensemble's members, whose number shapes the state and
-# with ensemble_data=distinct the rows read per step).
+# Keys that define the data stream, for any dataset_type (ensemble_data=distinct reads a batch per member).
 STREAM_KEYS = (
   "dataset_type",
   "data_shuffle_seed",
   "max_target_length",
   "global_batch_size_to_train_on",
-  "global_batch_size_to_load",
-  "ensemble_size",
+  "ensemble_data",
 )
 # Keys that define the stream of real data only (synthetic data ignores them).
 FILE_STREAM_KEYS = (
@@ -54,7 +52,7 @@ FILE_STREAM_KEYS = (
 
 def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
   """`key saved -> current` for each stream or model key that differs (keys the saved config lacks are skipped)."""
-  keys = list(STREAM_KEYS) + list(MODEL_KEYS)
+  keys = list(STREAM_KEYS) + list(MODEL_KEYS) + ["ensemble_size"]
   if current.get("dataset_type") != "synthetic" or saved.get("dataset_type") != "synthetic":
     keys += FILE_STREAM_KEYS
   return [
@@ -86,6 +84,12 @@ def check_resume(step_dir: str, config: Config) -> None:
       f"checkpoint {step_dir} cannot be resumed exactly: {'; '.join(differences)}. Drop {', '.join(model)} from the "
       f"command line and config file (a resumed run takes its model from the checkpoint: model_name="
       f"{saved.get('model_name', 'default')}), or start a new run_name"
+    )
+  if "ensemble_size" in saved and saved["ensemble_size"] != current.get("ensemble_size"):  # the state's shape
+    raise CheckpointError(
+      f"checkpoint {step_dir} holds {saved['ensemble_size']} ensemble members, not ensemble_size="
+      f"{current.get('ensemble_size')}: go back to ensemble_size={saved['ensemble_size']}, or start a new run_name "
+      "(load_parameters_path with ensemble_member=i starts from one member)"
     )
   if differences:
     raise CheckpointError(

@@ -42,6 +42,11 @@ def check(c: dict[str, Any]) -> dict[str, Any]:
   if c["ensemble_data"] not in ENSEMBLE_DATA:
     raise ConfigError(f"ensemble_data={c['ensemble_data']!r} is not one of: same, distinct")
   rates = list(c["ensemble_learning_rates"])
+  if rates and size == 1:
+    raise ConfigError(
+      f"ensemble_learning_rates has {len(rates)} values but ensemble_size=1: set ensemble_size={len(rates)} to sweep "
+      "them, or learning_rate for one run"
+    )
   if rates and len(rates) != size:
     raise ConfigError(
       f"ensemble_learning_rates has {len(rates)} values for ensemble_size={size}: give one peak rate per member"
@@ -49,11 +54,22 @@ def check(c: dict[str, Any]) -> dict[str, Any]:
   if any(math.isnan(_rate(r)) for r in rates):
     raise ConfigError(f"ensemble_learning_rates={rates} must all be positive numbers")
   rates = [_rate(r) for r in rates]
-  # A reader of an ensemble's step (decode.py, to_hf, load_parameters_path) is itself one model: its member is
-  # checked against the step's own ensemble_size when it is read (checkpoint/lora_steps.py).
+  # ensemble_member names a member of the step load_parameters_path reads (decode.py, to_hf, a run starting from one
+  # member): it is checked against that step's own ensemble_size when the step is read (checkpoint/lora_steps.py).
   member = c["ensemble_member"]
-  if member < -1 or (size > 1 and member >= size):
-    raise ConfigError(f"ensemble_member={member} is out of range: use -1 (none) or a member 0..{size - 1}")
+  if member < -1:
+    raise ConfigError(f"ensemble_member={member} is out of range: use -1 (none) or a member 0, 1, ...")
+  if member != -1 and not c["load_parameters_path"]:
+    raise ConfigError(
+      f"ensemble_member={member} without load_parameters_path: it picks a member of the ensemble step that "
+      "load_parameters_path names"
+    )
+  # Member i's seeds are the config's + i: JAX keeps 32-bit seeds.
+  if size > 1 and not rates and max(c["init_weights_seed"], c["seed"]) + size > 2**31:
+    raise ConfigError(
+      f"init_weights_seed={c['init_weights_seed']} and seed={c['seed']} + ensemble_size={size} members must stay "
+      "below 2**31"
+    )
   if size == 1:
     return {"ensemble_learning_rates": rates}
   for key, what in _UNSUPPORTED:

@@ -351,7 +351,9 @@ def _vocab_slices(c: dict[str, Any], micro_batch: int, num_devices: int) -> int:
     if c["num_vocab_tiling"] > 1 or c["use_dpo"] or c["final_logits_soft_cap"] > 0:
       return 1
     float32 = c["logits_dot_in_fp32"] or c["dtype"] == "float32"
-    logits_bytes = micro_batch * c["max_target_length"] * vocab * (4 if float32 else 2) / num_devices
+    # An ensemble's devices hold every member's logits.
+    rows = micro_batch * c["ensemble_size"]
+    logits_bytes = rows * c["max_target_length"] * vocab * (4 if float32 else 2) / num_devices
     n = 1
     while logits_bytes / n > AUTO_SLICE_LOGITS_BYTES and vocab % (2 * n) == 0:
       n *= 2

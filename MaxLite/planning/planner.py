@@ -29,6 +29,11 @@ def run(argv: Sequence[str], explain_plan: int = 0, plan_output: str = "") -> in
   raw = config_lib.load_raw(argv)
   if not raw["compile_topology"]:
     raise ConfigError("compile_topology is empty; name the slice to plan for, e.g. compile_topology=v5p-128")
+  if raw["ensemble_size"] != 1:
+    raise ConfigError(
+      f"ensemble_size={raw['ensemble_size']}: plan.py plans one model's layout; plan it without an ensemble "
+      "(train_compile.py compiles an ensemble as given)"
+    )
   target = perf_model.planning_target(raw["compile_topology"], raw["plan_hbm_gib"])
   num_slices = max(1, raw["compile_topology_num_slices"])
   pinned = pinned_keys(argv)

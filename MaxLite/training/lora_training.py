@@ -39,12 +39,14 @@ def base_parameters(config: Config, pieces: Any, target: Any) -> Any:
   if not path:
     return _fresh(config, pieces, "base", pieces.shardings.frozen)
   if not config.lora_weight_qtype:
-    return lora_steps.load_params(path, target.frozen)
+    return lora_steps.load_params(path, target.frozen, config.ensemble_member)
   from MaxLite import builder
 
   mesh = jax.tree.leaves(pieces.shardings.params)[0].mesh
   plain = builder.parameters(config, mesh, adapters=False, stored=False)
-  full = lora_steps.load_params(path, checkpointing.sharded_target(plain.abstract, plain.shardings))
+  full = lora_steps.load_params(
+    path, checkpointing.sharded_target(plain.abstract, plain.shardings), config.ensemble_member
+  )
   quantize = lambda params: lora.quantize_base(params, pieces.abstract.frozen)  # noqa: E731
   return jax.jit(quantize, out_shardings=pieces.shardings.frozen)(full)
 

@@ -124,13 +124,6 @@ def metrics_row(
   config: Config, step: int, values: dict[str, float], step_time: float, tflops_per_step: float
 ) -> dict[str, Any]:
   """One step's row of metrics.jsonl from its device metrics, its wall time and its TFLOPs per device."""
-  for name in values:  # an ensemble member that diverged is named: its learning rate is the likely cause
-    if name.startswith("loss/member_") and not np.isfinite(values[name]):
-      member = name.rsplit("_", 1)[1]
-      raise NonFiniteLossError(
-        f"step {step}: ensemble member {member}'s loss is {values[name]}; stopping (lower its rate in "
-        f"ensemble_learning_rates, or gradient_clipping_threshold)"
-      )
   if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
     raise NonFiniteLossError(
       f"step {step}: loss is {values['loss']} and grad_norm is {values['grad_norm']}; "
@@ -170,6 +163,7 @@ class StepLog:
     self._writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
     self._tflops_per_step = flops.tflops_per_device_per_step(config)
     self.rows: list[dict[str, Any]] = []
+    self._diverged: set[str] = set()  # ensemble members already reported as stopped
     self._pending: tuple[int, Any] | None = None
     self._clock = time.perf_counter()
 
@@ -184,12 +178,26 @@ class StepLog:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
     now = time.perf_counter()
     row = metrics_row(self._config, step, values, now - self._clock, self._tflops_per_step)
+    self._warn_diverged(step, row)
     self._clock = now
     if step % self._config.log_period == 0 or step == self._config.steps:
       self._before_write(step)
       logging.info(log_line(row))
       self._writer.write(row)
     self.rows.append(row)
+
+  def _warn_diverged(self, step: int, row: dict[str, Any]) -> None:
+    for name, value in row.items():
+      if name.startswith("loss/member_") and not np.isfinite(value) and name not in self._diverged:
+        self._diverged.add(name)
+        member = name.rsplit("_", 1)[1]
+        logging.warning(
+          "step %d: ensemble member %s diverged (loss %s): it keeps its step-%d weights while the others train on",
+          step,
+          member,
+          value,
+          step - 1,
+        )
 
   def record_eval(self, step: int, metrics: dict[str, float]) -> None:
     self._before_write(step)
