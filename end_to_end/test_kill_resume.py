@@ -52,6 +52,42 @@ def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
   assert {s: resumed[s] for s in range(9, 13)} == {s: straight[s] for s in range(9, 13)}  # bit for bit
 
 
+def test_sigkill_of_an_ensemble_resumes_every_member_bit_for_bit(tmp_path):
+  """Four members, two per device group (ensemble=2 x fsdp=2 x tensor=2 on 8 devices), each on its own batches of
+  real data (ensemble_data=distinct): killed after step 5, resumed, every member's loss equals the uninterrupted
+  run's."""
+  args = (
+    *TINY,
+    "dataset_type=grain",
+    "per_device_batch_size=1",
+    "ensemble_size=4",
+    "ici_ensemble_parallelism=2",
+    "ici_fsdp_parallelism=2",
+    "ici_tensor_parallelism=2",
+    "ensemble_data=distinct",
+    "steps=8",
+    f"base_output_directory={tmp_path}",
+  )
+
+  def members(metrics, offset=0):
+    rows = [r for r in procs.metric_rows(metrics, offset) if "loss" in r]
+    return {r["step"]: [r[f"loss/member_{i}"] for i in range(4)] for r in rows}
+
+  assert procs.run(procs.train_command(*args, "run_name=a"), str(tmp_path / "a.log"), devices=8) == 0
+  straight = members(str(tmp_path / "a" / "metrics.jsonl"))
+  command = procs.train_command(*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=3")
+  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
+  proc = procs.start(command, log, devices=8)
+  procs.wait_for_step(proc, metrics, 5, log)
+  procs.kill_group(proc, signal.SIGKILL)
+  killed_at = os.path.getsize(metrics)
+  assert procs.run(command, log, devices=8) == 0, procs.tail(log)
+  resumed = members(metrics, killed_at)
+  assert min(resumed) <= 5 and max(resumed) == 8
+  assert resumed == {s: straight[s] for s in resumed}  # bit for bit, member by member
+  assert len({tuple(v) for v in straight.values()}) == len(straight) and len(set(straight[1])) == 4
+
+
 def test_sigterm_saves_current_step_and_exits_0(tmp_path):
   args = (*TINY, "dataset_type=grain", "per_device_batch_size=4", f"base_output_directory={tmp_path}")
   run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1000")

@@ -79,7 +79,7 @@ LONGEST_FILES_FIRST = (
   "tests/test_ensemble.py",  # ~110 s
   "tests/test_lora.py",  # ~100 s
   "tests/test_parallelism.py",  # ~100 s
-  "end_to_end/test_kill_resume.py",  # ~70 s
+  "end_to_end/test_kill_resume.py",  # ~100 s
   "tests/test_memory_options.py",
   "end_to_end/test_benchmark_and_profile.py",
   "tests/test_cli.py",

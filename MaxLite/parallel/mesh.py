@@ -47,7 +47,7 @@ def _device_array(config: Config, devices: Sequence[jax.Device]) -> np.ndarray:
 
 
 def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Mesh with axes (data, stage, fsdp, sequence, tensor, expert), all Auto-typed for GSPMD."""
+  """Mesh with axes (ensemble, data, stage, fsdp, sequence, tensor, expert), all Auto-typed for GSPMD."""
   devices = list(jax.devices() if devices is None else devices)
   if len(devices) != config.num_devices:
     raise ValueError(f"config was resolved for {config.num_devices} devices but {len(devices)} were given")

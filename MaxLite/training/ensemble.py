@@ -21,8 +21,8 @@ from MaxLite.config import Config
 from MaxLite.config.ensembles import member_learning_rates, member_seed_offsets
 from MaxLite.parallel.sharding import logical_to_sharding, unbox
 from MaxLite.training import loss
-from MaxLite.training.train_state import TrainState, _init_state, _new_state
-from MaxLite.training.train_step import Batch, _forward, train_step
+from MaxLite.training.train_state import TrainState, init_state, new_state
+from MaxLite.training.train_step import Batch, forward, train_step
 
 AXIS = "ensemble"  # the logical axis and the mesh axis of the members
 PER_MEMBER = ("loss", "grad_norm", "learning_rate")  # the metrics that get one series per member
@@ -57,8 +57,9 @@ def create_state(model: Any, tx: Any, config: Config, shardings: Any, abstract: 
   """Every member initialised from its own init seed, each exactly as a separate run's step 0, made sharded."""
 
   def init(seeds: jax.Array) -> TrainState:
-    one = lambda seed: unbox(_init_state(model, tx, config, jax.random.key(seed)))  # noqa: E731
-    return jax.vmap(one, out_axes=_state_axes(abstract))(seeds)
+    one = lambda seed: unbox(init_state(model, tx, config, jax.random.key(seed)))  # noqa: E731
+    # spmd_axis_name: the layers' sharding constraints place each member's shards on its own devices during init too.
+    return jax.vmap(one, out_axes=_state_axes(abstract), spmd_axis_name=AXIS)(seeds)
 
   return jax.jit(init, out_shardings=shardings)(members(config)["init_seed"])
 
@@ -78,7 +79,8 @@ def state_from_params(model: Any, tx: Any, config: Config, params: Any, sharding
 
   def build(p: Any) -> TrainState:
     stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (config.ensemble_size, *a.shape)), p)
-    return jax.vmap(lambda q: _new_state(model, tx, config, q), out_axes=_state_axes(abstract))(stacked)
+    fresh = lambda q: new_state(model, tx, config, q)  # noqa: E731
+    return jax.vmap(fresh, out_axes=_state_axes(abstract), spmd_axis_name=AXIS)(stacked)
 
   return jax.jit(build, out_shardings=shardings)(params)
 
@@ -122,8 +124,8 @@ def ensemble_train_step(params: Any, rest: TrainState, batch: Batch, *, config: 
   new_params = jax.tree.map(keep, new_params, params)
   new_opt = jax.tree.map(keep, new_opt, rest.opt_state)
   metrics = {**metrics, "loss": jnp.where(finite, metrics["loss"], jnp.nan)}
-  new_state = rest.replace(step=rest.step + 1, params=new_params, opt_state=new_opt)
-  return new_state, _with_member_series(metrics, config)
+  updated = rest.replace(step=rest.step + 1, params=new_params, opt_state=new_opt)
+  return updated, _with_member_series(metrics, config)
 
 
 def eval_sums(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> dict[str, jax.Array]:
@@ -131,7 +133,7 @@ def eval_sums(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> di
   probabilities, log(mean_i p_i) = logsumexp_i(log p_i) - log K."""
 
   def target_log_probs(p: Any) -> jax.Array:
-    logits, _ = _forward(p, apply_fn, batch, jax.random.key(0))
+    logits, _ = forward(p, apply_fn, batch, jax.random.key(0))
     return loss.target_log_probs(logits, batch["targets"])[0]
 
   log_p = jax.vmap(target_log_probs, spmd_axis_name=AXIS)(params)  # [members, batch, length]

@@ -38,7 +38,7 @@ def evaluate(
 ) -> dict[str, float]:
   """eval_metrics over the first eval_steps eval batches. `batches`, the run's eval iterator, is rewound and reused;
   without it a new one is made and closed. `reference`: DPO's frozen reference parameters."""
-  totals: dict[str, float] = {}
+  totals: dict[str, Any] = {}  # float sums; an ensemble's per-member sums are arrays
   own = batches is None
   if own:
     batches = input_pipeline.make_iterator(config, mesh, "eval")

@@ -76,7 +76,7 @@ def initial_state(config: Config, pieces: Any, target: Any, checkpointer: Any, b
     return state.replace(frozen=frozen), step
   adapters = start_adapters(config, pieces, target)
 
-  def create(adapters: Any, frozen: Any) -> TrainState:  # a strongly typed step, as train_state._new_state makes
+  def create(adapters: Any, frozen: Any) -> TrainState:  # a strongly typed step, as train_state.new_state makes
     state = TrainState.create(apply_fn=pieces.model.apply, params=adapters, tx=pieces.tx, frozen=frozen)
     return state.replace(step=jnp.zeros((), jnp.int32))
 

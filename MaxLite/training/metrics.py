@@ -4,6 +4,7 @@ metrics.jsonl and as tensorboard scalars (process 0 only)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
@@ -51,6 +52,21 @@ class _ObjectLines:
       self.flush()
 
 
+def _summary_writer() -> type:
+  """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch whenever it is installed (to
+  accept its tensors, which MaxLite never logs), 1.6 s and a few hundred MiB at every start in an environment that has
+  it. Hidden only for that import, and only when nothing has imported torch yet."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX catches
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if hide:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Writes rows to <run_dir>/metrics.jsonl and tensorboard; no-op on processes other than 0."""
 
@@ -66,9 +82,7 @@ class MetricsWriter:
       storage.makedirs(config.run_dir)
       self._jsonl = open(config.metrics_file, "a", encoding="utf-8", buffering=1)  # each row on disk at once
     if config.enable_tensorboard:
-      from tensorboardX import SummaryWriter
-
-      self._tensorboard = SummaryWriter(logdir=config.tensorboard_dir, flush_secs=30)
+      self._tensorboard = _summary_writer()(logdir=config.tensorboard_dir, flush_secs=30)
 
   def write(self, row: dict[str, Any]) -> None:
     if not self._active:

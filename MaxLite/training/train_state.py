@@ -43,14 +43,15 @@ def _unflatten(aux: tuple, children: list) -> TrainState:
 jax.tree_util.register_pytree_with_keys(TrainState, _flatten, _unflatten)
 
 
-def _init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
+def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
+  """Step 0 from `rng`, boxed with logical axes (the pure function every initialiser jits or maps over members)."""
   # lazy_init traces the model on shapes only and keeps just the parameter computations, so the
   # compiled initialiser holds no forward pass (it compiles several times faster).
   shape = (config.micro_batch_size, config.max_target_length)
   ids = jax.ShapeDtypeStruct(shape, jnp.int32)
   with lora.init_scope(config):
     variables = model.lazy_init({"params": rng, "dropout": rng}, ids, ids, ids)
-  return _new_state(model, tx, config, variables["params"])
+  return new_state(model, tx, config, variables["params"])
 
 
 def model_params(state: TrainState) -> Any:
@@ -58,7 +59,8 @@ def model_params(state: TrainState) -> Any:
   return state.params if state.frozen is None else lora.merge(state.frozen, state.params)
 
 
-def _new_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, params: Any) -> TrainState:
+def new_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, params: Any) -> TrainState:
+  """Step 0 around `params`: a fresh optimizer state (with LoRA the adapters' alone; with DPO the reference)."""
   # A strongly typed step (TrainState.create's is a weakly typed Python 0) keeps the train step's
   # input types the same whether the state was just created or restored from a checkpoint, so both
   # runs execute one identical compiled program and resume bit for bit.
@@ -72,7 +74,7 @@ def _new_state(model: nn.Module, tx: optax.GradientTransformation, config: Confi
 
 def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh):
   """(unboxed abstract state, logical PartitionSpecs, NamedShardings), all with the state's tree structure."""
-  init = functools.partial(_init_state, model, tx, config)
+  init = functools.partial(init_state, model, tx, config)
   # The key is made inside eval_shape: nothing runs on a device, so this also works for an AOT
   # target whose devices cannot execute anything.
   boxed = jax.eval_shape(lambda: init(jax.random.key(config.init_weights_seed)))
@@ -89,7 +91,7 @@ def create_train_state(
     from MaxLite.training import ensemble
 
     return ensemble.create_state(model, tx, config, shardings, abstract)
-  init = jax.jit(functools.partial(_init_state, model, tx, config), out_shardings=shardings)
+  init = jax.jit(functools.partial(init_state, model, tx, config), out_shardings=shardings)
   return unbox(init(jax.random.key(config.init_weights_seed)))
 
 
@@ -97,7 +99,7 @@ def state_from_params(
   model: nn.Module, tx: optax.GradientTransformation, config: Config, params: Any, shardings: Any
 ) -> TrainState:
   """Step 0 with a fresh optimizer around given params (e.g. loaded for fine-tuning; with DPO also the reference)."""
-  return jax.jit(functools.partial(_new_state, model, tx, config), out_shardings=shardings)(params)
+  return jax.jit(functools.partial(new_state, model, tx, config), out_shardings=shardings)(params)
 
 
 def reference_from_params(state: TrainState, shardings: Any) -> TrainState:

@@ -29,7 +29,7 @@ def batch_loss_sums(
   if config.use_dpo:
     return _dpo_loss_sums(params, reference, apply_fn, batch, rng, config)
   tiled, sliced = config.num_vocab_tiling > 1, config.vocab_slices > 1
-  out, extra = _forward(params, apply_fn, batch, rng, return_hidden=tiled or sliced)
+  out, extra = forward(params, apply_fn, batch, rng, return_hidden=tiled or sliced)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   if tiled or sliced:
     hidden, head = out
@@ -52,7 +52,8 @@ def batch_loss_sums(
   return sums["loss_sum"], sums
 
 
-def _forward(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, return_hidden: bool = False) -> tuple:
+def forward(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, return_hidden: bool = False) -> tuple:
+  """(logits or (hidden, head), the intermediates) of the model on a batch's inputs."""
   return apply_fn(
     {"params": params},
     batch["inputs"],
@@ -68,7 +69,7 @@ def _dpo_loss_sums(params: Any, reference: Any, apply_fn: Any, batch: Batch, rng
   """DPO's loss and metrics summed over the batch's preference pairs (training/dpo.py)."""
 
   def responses(p: Any) -> tuple[jax.Array, ...]:
-    logits, _ = _forward(p, apply_fn, batch, rng)
+    logits, _ = forward(p, apply_fn, batch, rng)
     log_p, _ = loss.target_log_probs(logits, batch["targets"])
     return dpo.response_log_probs(log_p, batch["targets_segmentation"])
 
