@@ -256,8 +256,9 @@ def two_process_losses(tmp_path_factory):
 
 
 def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, tmp_path, two_process_losses):
-  """Process 1 alone finds step 6 corrupt (both go back to step 3), then alone sees two network errors reading
-  step 7 (retried: both resume from 7). Each process deciding alone would resume them from different steps."""
+  """Process 1 alone finds step 6 corrupt: both go back to step 3, where each process deciding alone would resume
+  them from different steps. (A network error on one process is retried, tests/test_checkpoint_reads.py; one that
+  outlasts the retries stops both, end_to_end/test_emergency_resume.py.)"""
   remote = (*TWO_PROCESSES, f"base_output_directory=gs://{BUCKET}/runs", "run_name=fault", "enable_checkpointing=true")
 
   def run(steps, fault=None):
@@ -277,11 +278,8 @@ def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, t
   corrupt = run(7, fault="1:6:corrupt:-1")
   assert re.search(r"skipping checkpoint step 6 on every process, unreadable on process \[1\]", corrupt), corrupt
   assert corrupt.count("resumed from checkpoint at step 3") == 2, corrupt
-  flaky = run(8, fault="1:7:transient:2")
-  assert "retry 2 of 4" in flaky and "skipping" not in flaky, flaky
-  assert flaky.count("resumed from checkpoint at step 7") == 2, flaky
-  assert _bucket_losses(gcs, "fault") == {s: two_process_losses[s] for s in range(1, 9)}  # bit for bit
-  iterators = [n for n in gcs.objects(BUCKET, "runs/fault/checkpoints/8/data_iter/") if n.endswith(".json")]
+  assert _bucket_losses(gcs, "fault") == {s: two_process_losses[s] for s in range(1, 8)}  # bit for bit
+  iterators = [n for n in gcs.objects(BUCKET, "runs/fault/checkpoints/7/data_iter/") if n.endswith(".json")]
   assert [os.path.basename(n) for n in iterators] == ["process_0-of-2.json", "process_1-of-2.json"]
 
 

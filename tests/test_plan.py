@@ -235,37 +235,26 @@ def test_impossible_requests_are_one_line(args, message):
 
 
 @pytest.mark.slow
-def test_predicted_order_of_two_layouts_is_the_measured_order(tmp_path):
+def test_the_model_predicts_tensor_8_slower_than_fsdp_8(tmp_path):
   """Two plans for the same model, batch and remat policy on the 8 simulated devices, differing only in layout: the
   weights sharded over all 8 (fsdp), or every projection split 8 ways (tensor: an all-reduce after each output
   projection, the norms and residuals on every device). The model predicts tensor 8 slower (here 1.16x: more
-  memory-bound work and collectives, the same FLOPs), and it is (1.5x measured on this machine)."""
+  memory-bound work and collectives, the same FLOPs). Measured, it is (1.5x on this machine): the timing is
+  end_to_end/bench_layouts.py's to print, not a test's to assert."""
   from conftest import make_config
 
   from MaxLite.planning import search
-  from MaxLite.training.trainer import train
 
   model = ["model_name=tiny", "base_emb_dim=256", "base_mlp_dim=1024", "vocab_size=1024", "max_target_length=256"]
   model += ["base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=32"]
-  run = [
-    "steps=6",
-    "per_device_batch_size=2",
-    "remat_policy=none",
-    "enable_tensorboard=false",
-    "enable_checkpointing=false",
-    f"base_output_directory={tmp_path}",
-    "dataset_type=synthetic",
-  ]
+  run = ["per_device_batch_size=2", "remat_policy=none", f"base_output_directory={tmp_path}", "dataset_type=synthetic"]
   plans = {"fsdp": ["ici_fsdp_parallelism=8"], "tensor": ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=8"]}
-  predicted, measured = {}, {}
+  predicted = {}
   for name, keys in plans.items():
     config = make_config(*model, *run, *keys, f"run_name={name}", num_devices=8)
     predicted[name] = search.evaluate(config.to_dict(), "cpu-8", 1)["prediction"]["step_s"]
-    rows = train(config, first_devices(8))
-    measured[name] = float(np.median([r["step_time_s"] for r in rows[2:]]))  # after compile and warm-up
-  print(f"predicted {predicted}, measured {measured}")
+  print(f"predicted {predicted}")
   assert predicted["tensor"] > 1.1 * predicted["fsdp"]
-  assert measured["tensor"] > measured["fsdp"]
 
 
 @pytest.mark.parametrize("opcode", ["all-gather", "all-gather-start"])
