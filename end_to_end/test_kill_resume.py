@@ -28,6 +28,20 @@ def _run_losses(tmp_path, overrides, run_name, devices=1):
   return procs.losses(procs.metric_rows(str(tmp_path / run_name / "metrics.jsonl")))
 
 
+def _killed_and_run_again(tmp_path, args, checkpoint_period, kill_after):
+  """Run "b" on 8 devices, SIGKILL it once step `kill_after` is logged, run the same command to the end: (its
+  metrics.jsonl, the offset where the rerun's rows begin)."""
+  saving = ("enable_checkpointing=true", f"checkpoint_period={checkpoint_period}")
+  command = procs.train_command(*args, "run_name=b", *saving)
+  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
+  proc = procs.start(command, log, devices=8)
+  procs.wait_for_step(proc, metrics, kill_after, log)
+  procs.kill_group(proc, signal.SIGKILL)
+  killed_at = os.path.getsize(metrics)
+  assert procs.run(command, log, devices=8) == 0, procs.tail(log)
+  return metrics, killed_at
+
+
 def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
   """fsdp=4 x tensor=2 on 8 devices, real grain data, checkpoint every 4 steps."""
   args = (
@@ -40,13 +54,7 @@ def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
     f"base_output_directory={tmp_path}",
   )
   straight = _run_losses(tmp_path, args, "a", devices=8)
-  command = procs.train_command(*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=4")
-  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
-  proc = procs.start(command, log, devices=8)
-  procs.wait_for_step(proc, metrics, 9, log)
-  procs.kill_group(proc, signal.SIGKILL)
-  killed_at = os.path.getsize(metrics)
-  assert procs.run(command, log, devices=8) == 0, procs.tail(log)
+  metrics, killed_at = _killed_and_run_again(tmp_path, args, checkpoint_period=4, kill_after=9)
   resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
   assert min(resumed) <= 9 and max(resumed) == 12
   assert {s: resumed[s] for s in range(9, 13)} == {s: straight[s] for s in range(9, 13)}  # bit for bit
@@ -75,13 +83,7 @@ def test_sigkill_of_an_ensemble_resumes_every_member_bit_for_bit(tmp_path):
 
   assert procs.run(procs.train_command(*args, "run_name=a"), str(tmp_path / "a.log"), devices=8) == 0
   straight = members(str(tmp_path / "a" / "metrics.jsonl"))
-  command = procs.train_command(*args, "run_name=b", "enable_checkpointing=true", "checkpoint_period=3")
-  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
-  proc = procs.start(command, log, devices=8)
-  procs.wait_for_step(proc, metrics, 5, log)
-  procs.kill_group(proc, signal.SIGKILL)
-  killed_at = os.path.getsize(metrics)
-  assert procs.run(command, log, devices=8) == 0, procs.tail(log)
+  metrics, killed_at = _killed_and_run_again(tmp_path, args, checkpoint_period=3, kill_after=5)
   resumed = members(metrics, killed_at)
   assert min(resumed) <= 5 and max(resumed) == 8
   assert resumed == {s: straight[s] for s in resumed}  # bit for bit, member by member
