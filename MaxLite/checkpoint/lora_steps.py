@@ -31,11 +31,6 @@ def lora_settings(path: str) -> dict[str, Any] | None:
   return stored if stored.get("enable_lora") else None
 
 
-def ensemble_size_of(path: str) -> int:
-  """How many members the run that wrote step `path` trained (1: not an ensemble)."""
-  return int(_saved_settings(path).get("ensemble_size", 1))
-
-
 def _member(path: str, target_params: Any, size: int, member: int) -> Any:
   """Member `member` of an ensemble's step, read whole (members stacked) and sliced to `target_params`' placement."""
   if not 0 <= member < size:
@@ -73,10 +68,11 @@ def adapters_of(path: str, mesh_of: Any) -> dict:
 def load_params(path: str, target_params: Any, member: int = -1) -> Any:
   """The parameters step `path` stands for, placed as `target_params` (a plain model's): merged when it is a LoRA
   step, member `member` (ensemble_member) of an ensemble's step."""
-  size = ensemble_size_of(path)
+  stored = _saved_settings(path)  # read once: on gs:// each read is a request
+  size = int(stored.get("ensemble_size", 1))
   if size > 1:
     return _member(path, target_params, size, member)
-  settings = lora_settings(path)
+  settings = stored if stored.get("enable_lora") else None
   if member != -1 and not (settings and int(settings.get("ensemble_member", -1)) == member):
     raise ConfigError(f"ensemble_member={member} but {path} is not an ensemble's step: leave ensemble_member unset")
   if settings is None:
