@@ -86,9 +86,11 @@ class Checkpointer:
       if self._guard is not None:
         self._guard.before_save(step)
       self._check_finite(step, state, log.rows[-1])
+      # Stored before the save starts: a kill the moment the step's files appear must not leave them without its rows
+      # (a bucket's metrics.jsonl is rewritten, not appended, so rows not yet stored are lost with the process).
+      log.store()
       saved = state if state.frozen is None else state.replace(frozen=None)  # LoRA: the adapters, not the base
       self._saves.save(step, saved, batches, self._config, force=must_save)
-      log.store()
     if preempted:
       logging.info("preempted: saved a checkpoint at step %d, stopping", step)
     return preempted
