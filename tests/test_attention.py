@@ -1,4 +1,5 @@
-"""Attention implementations: splash (Pallas kernel, interpreted on CPU) and cudnn's wrapper equal dot_product."""
+"""Attention implementations: splash (Pallas kernel, interpreted on CPU) equals dot_product; which kernel a config
+gets (the cuDNN path's own tests: test_cudnn_attention.py)."""
 
 import os
 import subprocess
@@ -15,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import validation
-from MaxLite.layers.attention import attention_mask, cudnn_attention, dot_product_attention
+from MaxLite.layers.attention import attention_mask, dot_product_attention
 from MaxLite.layers.splash import splash_attention
 from MaxLite.parallel import sharding, topologies
 from MaxLite.parallel.mesh import create_mesh
@@ -131,15 +132,6 @@ def test_splash_under_shard_map_equals_dot_product_on_8_devices(mesh, kv_heads):
   _assert_same(got, _loss_and_grads(_reference, q, k, v, segments))
 
 
-def test_cudnn_wrapper_masks_like_dot_product():
-  """The cudnn path's own work (mask, scale, GQA layout) checked with jax's XLA implementation of the same
-  call; the cuDNN kernel itself needs a GPU."""
-  q, k, v = _qkv(4, 8, 2)
-  segments = _packed_segments(4)
-  xla = lambda q, k, v, s: cudnn_attention(q, k, v, s, implementation="xla")
-  _assert_same(_loss_and_grads(xla, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "model, layout",
@@ -223,6 +215,51 @@ def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
   )
 
 
+def test_autoselected_checks_the_kernel_that_runs_against_what_the_config_needs():
+  """Each family on a GPU in bf16: cudnn where it computes everything the config asks for, else dot_product with the
+  missing capability named; an explicit cudnn that cannot compute the config is one line naming it."""
+  gpu = lambda *o, **k: _derive("dtype=bfloat16", *o, platform="gpu", **k)  # noqa: E731
+  for model in ("tiny", "tiny-gemma3", "tiny-deepseek", "tiny-moe"):
+    c = gpu(f"model_name={model}")
+    assert (c["attention_kernel"], c["attention_choice"]) == ("cudnn", "autoselected: cuDNN flash attention on GPU")
+    assert (c["max_segments_per_seq"], c["attention_segments"]) == (32, 32)  # the packer keeps cuDNN's count
+  capped = gpu("attn_logits_soft_cap=50.0")
+  assert capped["attention_kernel"] == "dot_product"
+  assert capped["attention_choice"] == (
+    "autoselected: dot_product, not cudnn, because it does not compute a soft cap on the scores, which "
+    "attn_logits_soft_cap=50.0 asks for"
+  )
+  with pytest.raises(ConfigError, match=r"^attention=cudnn_flash_jax does not compute a soft cap on the scores"):
+    gpu("attention=cudnn_flash_jax", "attn_logits_soft_cap=50.0")
+  assert gpu("max_segments_per_seq=8")["attention_segments"] == 8
+  synthetic = gpu("dataset_type=synthetic")
+  assert (synthetic["max_segments_per_seq"], synthetic["attention_segments"]) == (-1, 1)
+  on_cpu = _derive()
+  assert (on_cpu["max_segments_per_seq"], on_cpu["attention_segments"]) == (-1, 0)
+  with pytest.raises(ConfigError, match=r"^max_segments_per_seq=1 must be -1 \(no cap\) or >= 2 \(a DPO pair"):
+    _derive("max_segments_per_seq=1", "use_dpo=true", "load_parameters_path=/nowhere")
+
+
+def test_pre_hopper_gpus_get_dot_product_for_packed_rows():
+  from MaxLite.config.attention_choice import choose_attention
+
+  raw = config_lib_raw("dtype=bfloat16")
+  raw["max_segments_per_seq"] = 32
+  kernel, why = choose_attention(raw, "gpu", 1, 1, gpu_capability="8.0")
+  assert kernel == "dot_product"
+  assert why.endswith(
+    "because it packs segments only on Hopper or newer GPUs (compute capability 9.0); this GPU's is 8.0"
+  )
+  assert choose_attention(raw, "gpu", 1, 1, gpu_capability="9.0")[0] == "cudnn"
+  assert choose_attention({**raw, "dataset_type": "synthetic"}, "gpu", 1, 1, gpu_capability="8.0")[0] == "cudnn"
+
+
+def config_lib_raw(*overrides):
+  from MaxLite import config as config_lib
+
+  return config_lib.load_raw([os.path.join(REPO, "configs", "base.yml"), "model_name=tiny", *overrides])
+
+
 @pytest.mark.parametrize(
   "overrides, fragment",
   [
@@ -232,7 +269,10 @@ def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
     (("attention=splash", "max_target_length=1024", "sa_block_kv=256"), "sa_block_kv_compute must divide sa_block_kv"),
     (("attention=cudnn",), "attention=cudnn needs an NVIDIA GPU (cuDNN flash attention); this run's devices are cpu"),
     (("attention=fast",), "attention='fast' is not one of"),
-    (("attention=cudnn", "dtype=float32"), "takes bfloat16 activations only (cuDNN's fused attention); dtype=float32"),
+    (
+      ("attention=cudnn", "dtype=float32"),
+      "attention=cudnn does not compute float32 activations, which dtype=float32 asks for: use attention=dot_product",
+    ),
     (
       ("attention=splash",),
       "attention=splash is a TPU kernel (interpreted on CPU for tests); this run's devices are gpu",
@@ -241,7 +281,7 @@ def test_autoselected_picks_by_platform_and_never_an_untileable_kernel():
 )
 def test_unsupported_attention_settings_stop_with_one_line(overrides, fragment):
   with pytest.raises(ConfigError) as error:
-    _derive(*overrides, platform="gpu" if "gpu" in fragment or "cuDNN's" in fragment else "cpu")
+    _derive(*overrides, platform="gpu" if "gpu" in fragment or "float32 activations" in fragment else "cpu")
   assert fragment in str(error.value) and "\n" not in str(error.value)
 
 

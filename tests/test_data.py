@@ -143,6 +143,44 @@ def test_streaming_packer_restore_continues_identically():
     np.testing.assert_array_equal(np.stack([r[k] for r in rows]), full[k][5:], err_msg=k)
 
 
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_a_segment_cap_closes_rows_early_and_keeps_every_pair_in_order(cap):
+  """max_segments_per_seq (cuDNN's packed attention is built for a fixed count): short documents, many to a row,
+  and long ones split across rows; the cap holds in every row, no pair is lost or reordered, and a restore between
+  rows (including a row the cap closed with a document not yet started) continues identically."""
+  rng = np.random.default_rng(3)
+  docs = [rng.integers(3, 1000, size=int(rng.integers(2, 12))).tolist() for _ in range(60)] + [list(range(40))]
+  out = pack_documents(docs, seq_len=16, max_segments=cap)
+  real = out["inputs_segmentation"] > 0
+  np.testing.assert_array_equal(out["inputs"][real], [t for d in docs for t in d[:-1]])
+  assert out["inputs_segmentation"].max(axis=1).max() == cap  # the cap is reached, never passed
+  assert (~real[:-1]).any()  # some rows were closed by the cap, not by their length
+  uncapped = pack_documents(docs, seq_len=16)
+  assert len(out["inputs"]) > len(uncapped["inputs"])
+  for rows_done in (3, 7):
+    it = iter(docs)
+    p, pulled = StreamingPacker(16, cap), []
+    pull = lambda: pulled.append(d := next(it, None)) or d  # noqa: E731
+    for _ in range(rows_done):
+      p.next_row(pull)
+    q = StreamingPacker(16, cap)
+    rest_from = len(pulled)
+    if p.has_pending:
+      q.restore(pulled[-1], p.offset)
+    rest = iter(docs[rest_from:])
+    rows = []
+    while (row := q.next_row(lambda: next(rest, None))) is not None:
+      rows.append(row)
+    np.testing.assert_array_equal(np.stack([r["inputs"] for r in rows]), out["inputs"][rows_done:])
+
+
+def test_a_group_longer_than_the_segment_cap_is_refused():
+  from MaxLite.data.packing import Group
+
+  with pytest.raises(ValueError, match="a group of 2 documents cannot fit a row of 1 segments"):
+    pack_documents([Group(([1, 2, 3], [4, 5, 6]))], seq_len=16, max_segments=1)
+
+
 # ------------------------------------------------------------------------------------------ prepare
 
 

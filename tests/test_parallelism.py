@@ -335,7 +335,7 @@ def test_sequence_parallelism_does_not_regather_activations():
   assert sequence < 1.5 * fsdp
 
 
-def test_megablox_is_compiled_on_tpu_interpreted_on_cpu_and_refused_on_gpu():
+def test_megablox_is_compiled_on_tpu_interpreted_on_cpu_and_ragged_dot_on_gpu_unless_asked_for():
   from MaxLite import config as config_lib
   from MaxLite.config import validation
 
@@ -344,7 +344,8 @@ def test_megablox_is_compiled_on_tpu_interpreted_on_cpu_and_refused_on_gpu():
     return validation.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform=platform)
 
   assert not derive("tpu")["megablox_interpret"] and derive("cpu")["megablox_interpret"]
+  assert not derive("gpu")["megablox"]  # base.yml's default: a MoE model starts on a GPU, through ragged_dot
   with pytest.raises(ConfigError, match="megablox=true is a TPU kernel .* devices are gpu: use megablox=false"):
-    derive("gpu")
+    derive("gpu", "megablox=true")
   derive("gpu", "megablox=false")
   derive("gpu", "sparse_matmul=false")  # the one-hot dispatch has no grouped matmuls

@@ -37,6 +37,7 @@ FILE_STREAM_KEYS = (
   "grain_train_files",
   "grain_file_type",
   "grain_text_column",
+  "max_segments_per_seq",
   "tokenizer_path",
   "tokenizer_type",
   "add_bos",

@@ -216,6 +216,13 @@ def _check_positive(c: dict[str, Any]) -> None:
       raise ConfigError(f"{key} must be positive, got {c[key]}")
   if c["per_device_batch_size"] <= 0:
     raise ConfigError(f"per_device_batch_size must be positive, got {c['per_device_batch_size']}")
+  segments = c["max_segments_per_seq"]
+  if segments == 0 or segments < -1 or (c["use_dpo"] and segments == 1):
+    least = 2 if c["use_dpo"] else 1
+    raise ConfigError(
+      f"max_segments_per_seq={segments} must be -1 (no cap) or >= {least}"
+      + (" (a DPO pair is two documents in one row)" if c["use_dpo"] else "")
+    )
   if not 0.0 <= c["dropout_rate"] < 1.0:
     raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
@@ -317,14 +324,19 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
     )
 
 
-def _check_megablox(c: dict[str, Any], platform: str) -> None:
+def _check_megablox(c: dict[str, Any], platform: str) -> bool:
+  """megablox as this run uses it: base.yml's default (true, MaxText's) means the TPU kernel where it runs and
+  jax.lax.ragged_dot on a GPU; set explicitly on a GPU it is refused."""
   if not (c["megablox"] and c["sparse_matmul"]) or c["num_experts"] == 1:
-    return
+    return c["megablox"]
   if platform not in ("tpu", "cpu"):
+    if "megablox" not in c.get("explicit_keys", ()):
+      return False
     raise ConfigError(
       f"megablox=true is a TPU kernel (interpreted on CPU for tests); this run's devices are {platform}: "
       "use megablox=false (jax.lax.ragged_dot)"
     )
+  return True
 
 
 def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
@@ -521,15 +533,19 @@ def validate_and_derive(
   ensembles.check_mesh(c, mesh)
   micro_batch, batch_axes, batch_shards = _micro_batch(c, num_devices, mesh)
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
+  gpu_capability = ""
   if platform is None:
     import jax
 
     platform = jax.default_backend()
+    if platform in ("gpu", "cuda"):
+      gpu_capability = getattr(jax.devices()[0], "compute_capability", "")
   sequence_shards = _activation_shards(c["logical_axis_rules"], "activation_length", mesh)
   head_shards = _activation_shards(c["logical_axis_rules"], "activation_heads", mesh)
-  kernel, kernel_reason = attention_choice.choose_attention(c, platform, sequence_shards, head_shards)
+  kernel, kernel_reason = attention_choice.choose_attention(c, platform, sequence_shards, head_shards, gpu_capability)
+  max_segments, attention_segments = attention_choice.segments_per_row(c, kernel)
   _check_vocab_tiling(c, sequence_shards)
-  _check_megablox(c, platform)
+  c["megablox"] = _check_megablox(c, platform)
 
   run_name = c["run_name"] or default_run_name()
   run_dir = storage.join(storage.absolute(c["base_output_directory"]), run_name)
@@ -565,6 +581,8 @@ def validate_and_derive(
     moe_mlp_dim=moe_mlp_dim(c),
     attention_kernel=kernel,
     attention_choice=kernel_reason,
+    max_segments_per_seq=max_segments,
+    attention_segments=attention_segments,
     # Off TPU the splash kernel runs in Pallas interpret mode (same numerics, for tests and CPU runs).
     attention_interpret=kernel == "splash" and platform != "tpu",
     megablox_interpret=c["megablox"] and platform != "tpu",  # Pallas interpret mode: same numerics, slower

@@ -97,9 +97,9 @@ def _slot_seed(seed: int, slot: int) -> int:
 class _SlotStream:
   """The packed rows of one batch slot; state = (document index, pairs of it already emitted)."""
 
-  def __init__(self, documents: grain.MapDataset, seq_len: int, limit: int | None):
+  def __init__(self, documents: grain.MapDataset, seq_len: int, max_segments: int, limit: int | None):
     self._documents, self._limit = documents, limit
-    self._packer = StreamingPacker(seq_len)
+    self._packer = StreamingPacker(seq_len, max_segments)
     self._next = 0  # index of the next document to pull
     self._pending = 0  # index of the document the packer holds, if any
 
@@ -200,6 +200,7 @@ def make_grain_iterator(
   seq_len: int,
   num_slots: int,
   slots: list[int] | tuple[int, ...],
+  max_segments: int = -1,
   seed: int,
   add_bos: bool,
   add_eos: bool,
@@ -219,6 +220,7 @@ def make_grain_iterator(
   segmentation-0 rows until every slot is exhausted, then StopIteration. get_state()/set_state() restore exactly
   the next batch in a fresh iterator. `worker_count` threads fill the slots (the rows do not depend on it).
   `tokenizer_type`: see data/tokenizer.py. `records`: post-training records instead of `text_column`'s documents.
+  `max_segments`: at most this many documents (pieces) in a row, -1 = no cap (max_segments_per_seq).
   """
   if seq_len < 1 or num_slots < 1 or not slots:
     raise ConfigError(f"seq_len, num_slots and slots must be positive, got {seq_len}, {num_slots}, {list(slots)}")
@@ -249,6 +251,6 @@ def make_grain_iterator(
     if shuffle:
       docs = docs.shuffle(seed=_slot_seed(seed, slot))
     docs = docs.repeat(num_epochs).map(encode)
-    streams[slot] = _SlotStream(docs, seq_len, None if num_epochs is None else per_epoch * num_epochs)
+    streams[slot] = _SlotStream(docs, seq_len, max_segments, None if num_epochs is None else per_epoch * num_epochs)
   fingerprint = _fingerprint(tokenizer_path, template)
   return SlotBatchIterator(streams, list(slots), num_slots, seq_len, worker_count, fingerprint)

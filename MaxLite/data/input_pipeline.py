@@ -119,6 +119,7 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
     resolve_list(files),
     tokenizer_path=resolve(config.tokenizer_path),
     seq_len=config.max_target_length,
+    max_segments=config.max_segments_per_seq,
     num_slots=global_batch,
     slots=rows,
     seed=config.data_shuffle_seed,

@@ -12,7 +12,8 @@ the next row (so documents longer than a row become consecutive chunks, no token
 piece of a document in a row is one segment: segment ids 1, 2, 3 ... within the row (0 = padding,
 only in the last row of a finite stream), positions restart at 0 in each segment, including a
 continuation chunk (it cannot attend to the previous row, so its positions carry no information
-about it). Rows therefore contain no padding except at the very end of the stream.
+about it). Rows therefore contain no padding except at the very end of the stream, or where a cap on the
+segments of a row (max_segments_per_seq; cuDNN's packed attention has a fixed count) closes a row early.
 
 A document may come with a loss mask (post-training: 1 on the tokens to learn, e.g. the assistant's reply):
 a target is learned when its token's mask is 1, and targets_segmentation is 0 where it is not, so the
@@ -86,10 +87,13 @@ class StreamingPacker:
   the re-read item.
   """
 
-  def __init__(self, seq_len: int):
+  def __init__(self, seq_len: int, max_segments: int = -1):
     if seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if max_segments == 0 or max_segments < -1:
+      raise ValueError(f"max_segments must be -1 (no cap) or >= 1, got {max_segments}")
     self.seq_len = seq_len
+    self.max_segments = max_segments if max_segments > 0 else seq_len
     self._pending: list[_Pairs] | None = None  # one document's pairs, or a group's
     self._grouped = False
     self._offset = 0
@@ -138,7 +142,7 @@ class StreamingPacker:
     """The next full row; a padded last row at the end of the stream; None once nothing is left."""
     row = empty_row(self.seq_len)
     filled, segment = 0, 0
-    while filled < self.seq_len:
+    while filled < self.seq_len and segment < self.max_segments:
       if self._pending is None:
         if self._exhausted:
           break
@@ -149,7 +153,12 @@ class StreamingPacker:
         if not self._hold(item):
           continue  # fewer than 2 tokens: nothing to predict
       if self._grouped:
-        if sum(len(p[0]) for p in self._pending) > self.seq_len - filled:
+        too_many = segment + len(self._pending) > self.max_segments
+        if too_many and segment == 0:
+          raise ValueError(
+            f"a group of {len(self._pending)} documents cannot fit a row of {self.max_segments} segments"
+          )
+        if too_many or sum(len(p[0]) for p in self._pending) > self.seq_len - filled:
           break  # the group opens the next row
         for pairs in self._pending:
           segment += 1
@@ -170,10 +179,10 @@ class StreamingPacker:
     return row
 
 
-def pack_documents(documents: Iterable[Item], seq_len: int) -> dict[str, np.ndarray]:
+def pack_documents(documents: Iterable[Item], seq_len: int, max_segments: int = -1) -> dict[str, np.ndarray]:
   """Packs a finite list of documents and groups into int32 arrays [rows, seq_len] (see module docstring)."""
   it = iter(documents)
-  packer = StreamingPacker(seq_len)
+  packer = StreamingPacker(seq_len, max_segments)
   rows = []
   while (row := packer.next_row(lambda: next(it, None))) is not None:
     rows.append(row)

@@ -2,7 +2,8 @@
 
 Three implementations of the same function (config key `attention`, resolved to `attention_kernel`):
 dot_product (XLA, materialises the [seq, seq] scores: fine on CPU and for short sequences), splash (the Pallas
-TPU flash kernel, layers/splash.py) and cudnn (jax.nn.dot_product_attention's cuDNN flash path on GPU).
+TPU flash kernel, layers/splash.py) and cudnn (cuDNN flash attention on GPU, layers/cudnn.py). What each computes
+is declared in config/attention_choice.py, which checks the chosen one against the config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
+from MaxLite.layers.cudnn import cudnn_attention
 from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
@@ -54,17 +56,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
   return out.reshape(b, s, heads, v.shape[-1])  # MLA's values may be narrower than its queries
-
-
-def cudnn_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, implementation: str = "cudnn"
-) -> jax.Array:
-  """jax.nn.dot_product_attention (cuDNN flash attention on GPU; "xla" elsewhere). q is already scaled.
-
-  cuDNN takes the causal mask natively; packed segments reach it as a [batch, 1, seq, seq] boolean mask.
-  """
-  mask = attention_mask(segment_ids)[:, 0]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation=implementation)
 
 
 def cached_attention_mask(
@@ -153,7 +144,8 @@ class Attention(nn.Module):
       # Both kernels are compiled; the layer runs one (nn.scan traces a single layer for local and global ones).
       out = jax.lax.cond(local, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     elif cfg.attention_kernel == "cudnn":
-      out = cudnn_attention(q, k, v, segment_ids)
+      attend = lambda w: cudnn_attention(q, k, v, segment_ids, cfg.attention_segments, window=w)
+      out = jax.lax.cond(local, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     else:
       out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, local), cap)
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))

@@ -136,8 +136,8 @@ def check(c: Mapping[str, Any]) -> None:
     )
   if c["first_num_dense_layers"] and (c["ici_pipeline_parallelism"] > 1 or c["dcn_pipeline_parallelism"] > 1):
     raise ConfigError("pipeline parallelism needs one kind of layer; set first_num_dense_layers=0 or pipeline 1")
-  if c["attention_type"] == "mla" and (c["fused_qkv"] or c["sliding_window_size"] or c["attention"] == "cudnn"):
-    raise ConfigError("attention_type=mla needs fused_qkv=false, sliding_window_size=0 and attention other than cudnn")
+  if c["attention_type"] == "mla" and (c["fused_qkv"] or c["sliding_window_size"]):
+    raise ConfigError("attention_type=mla needs fused_qkv=false and sliding_window_size=0")
 
 
 # ---------------------------------------------------------------- Hugging Face (DeepseekV3ForCausalLM)
