@@ -158,20 +158,24 @@ def test_a_segment_cap_closes_rows_early_and_keeps_every_pair_in_order(cap):
   uncapped = pack_documents(docs, seq_len=16)
   assert len(out["inputs"]) > len(uncapped["inputs"])
   for rows_done in (3, 7):
-    it = iter(docs)
-    p, pulled = StreamingPacker(16, cap), []
-    pull = lambda: pulled.append(d := next(it, None)) or d  # noqa: E731
-    for _ in range(rows_done):
-      p.next_row(pull)
-    q = StreamingPacker(16, cap)
-    rest_from = len(pulled)
-    if p.has_pending:
-      q.restore(pulled[-1], p.offset)
-    rest = iter(docs[rest_from:])
-    rows = []
-    while (row := q.next_row(lambda: next(rest, None))) is not None:
-      rows.append(row)
-    np.testing.assert_array_equal(np.stack([r["inputs"] for r in rows]), out["inputs"][rows_done:])
+    np.testing.assert_array_equal(_rows_after_restore(docs, cap, rows_done), out["inputs"][rows_done:])
+
+
+def _rows_after_restore(docs: list, cap: int, rows_done: int) -> np.ndarray:
+  """The inputs of the rows a fresh packer makes from the state another one had after `rows_done` rows."""
+  it = iter(docs)
+  p, pulled = StreamingPacker(16, cap), []
+  pull = lambda: pulled.append(d := next(it, None)) or d  # noqa: E731
+  for _ in range(rows_done):
+    p.next_row(pull)
+  q = StreamingPacker(16, cap)
+  if p.has_pending:
+    q.restore(pulled[-1], p.offset)
+  rest = iter(docs[len(pulled) :])
+  rows = []
+  while (row := q.next_row(lambda: next(rest, None))) is not None:
+    rows.append(row["inputs"])
+  return np.stack(rows)
 
 
 def test_a_group_longer_than_the_segment_cap_is_refused():
