@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install MaxLite and its pinned dependencies into the current Python environment (a venv is best).
 #
-#   bash setup.sh [DEVICE=cpu|tpu|gpu] [MODE=pinned|stable|nightly] [AOT=1|0] [TEST=0|1] [PYTHON=python3]
+#   bash setup.sh [DEVICE=cpu|tpu|gpu] [CUDA=auto|12|13] [MODE=pinned|stable|nightly] [AOT=1|0] [TEST=0|1] [PYTHON=python3]
 #
 # MaxText's argument form; the same names work as environment variables.
-#   DEVICE  cpu (default) | tpu (jax[tpu]) | gpu (jax[cuda12]); checked after installing: DEVICE=tpu on a machine
-#           without TPU chips stops with an error instead of leaving a CPU-only install behind
+#   DEVICE  cpu (default) | tpu (jax[tpu]) | gpu (jax[cuda13] or jax[cuda12]); checked after installing: DEVICE=tpu on
+#           a machine without TPU chips stops with an error instead of leaving a CPU-only install behind
+#   CUDA    DEVICE=gpu: which CUDA plugin; auto (default) = what the NVIDIA driver runs (nvidia-smi's "CUDA Version":
+#           13 -> jax[cuda13], 12 -> jax[cuda12]; 13 when nvidia-smi is absent)
 #   MODE    pinned (default): the versions in requirements*.txt, tested together; stable: the newest releases of
 #           the same packages; nightly: jax/jaxlib pre-releases on top of stable
 #   AOT     1 (default, not with DEVICE=tpu): also put libtpu into .deps/libtpu for train_compile.py (compile for
@@ -18,17 +20,19 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 
 for arg in "$@"; do
   case "$arg" in
-    DEVICE=*|MODE=*|AOT=*|TEST=*|PYTHON=*) export "${arg?}" ;;
-    *) echo "error: setup.sh: unknown argument '$arg'; use DEVICE=cpu|tpu|gpu MODE=pinned|stable|nightly AOT=0|1 TEST=0|1 PYTHON=..." >&2
+    DEVICE=*|CUDA=*|MODE=*|AOT=*|TEST=*|PYTHON=*) export "${arg?}" ;;
+    *) echo "error: setup.sh: unknown argument '$arg'; use DEVICE=cpu|tpu|gpu CUDA=auto|12|13 MODE=pinned|stable|nightly AOT=0|1 TEST=0|1 PYTHON=..." >&2
        exit 2 ;;
   esac
 done
 DEVICE="${DEVICE:-cpu}"
+CUDA="${CUDA:-auto}"
 MODE="${MODE:-pinned}"
 AOT="${AOT:-1}"
 TEST="${TEST:-0}"
 PYTHON="${PYTHON:-python3}"
 case "$DEVICE" in cpu|tpu|gpu) ;; *) echo "error: setup.sh: DEVICE=$DEVICE is not one of cpu, tpu, gpu" >&2; exit 2 ;; esac
+case "$CUDA" in auto|12|13) ;; *) echo "error: setup.sh: CUDA=$CUDA is not one of auto, 12, 13" >&2; exit 2 ;; esac
 case "$MODE" in pinned|stable|nightly) ;; *) echo "error: setup.sh: MODE=$MODE is not one of pinned, stable, nightly" >&2; exit 2 ;; esac
 case "$AOT$TEST" in [01][01]) ;; *) echo "error: setup.sh: AOT and TEST take 0 or 1, got AOT=$AOT TEST=$TEST" >&2; exit 2 ;; esac
 
@@ -44,7 +48,26 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check --quiet "$@"; }
 extras=(requirements/gcs.txt)
-case "$DEVICE" in tpu) extras+=(requirements/tpu.txt) ;; gpu) extras+=(requirements/gpu.txt) ;; esac
+if [[ "$DEVICE" == gpu && "$CUDA" == auto ]]; then
+  # The driver's newest CUDA decides the plugin: jax's CUDA 13 wheels do not load under a CUDA 12 driver.
+  driver_cuda="$(nvidia-smi 2> /dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n 1 || true)"
+  if [[ -z "$driver_cuda" ]]; then
+    CUDA=13
+    echo "note: nvidia-smi did not say which CUDA the driver runs; installing jax's CUDA 13 plugin (CUDA=12 for older drivers)"
+  elif (( driver_cuda >= 13 )); then
+    CUDA=13
+  elif (( driver_cuda == 12 )); then
+    CUDA=12
+  else
+    echo "error: setup.sh: the NVIDIA driver runs CUDA $driver_cuda; jax $(sed -n 's/^jax==//p' requirements.txt) needs a driver for CUDA 12 or 13: update the driver" >&2
+    exit 2
+  fi
+  echo "DEVICE=gpu: jax's CUDA $CUDA plugin${driver_cuda:+ (the driver runs CUDA $driver_cuda)}"
+fi
+case "$DEVICE" in
+  tpu) extras+=(requirements/tpu.txt) ;;
+  gpu) if [[ "$CUDA" == 12 ]]; then extras+=(requirements/gpu-cuda12.txt); else extras+=(requirements/gpu.txt); fi ;;
+esac
 [[ "$TEST" == 1 ]] && extras+=(requirements/test.txt)
 
 if [[ "$MODE" == pinned ]]; then

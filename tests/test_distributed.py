@@ -108,3 +108,66 @@ def test_setup_sh_refuses_an_old_python_with_how_to_get_a_new_one(tmp_path):
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1
   assert "Python 3.9.18 is too old: jax 0.10.2 needs Python 3.11 or newer" in proc.stderr
   assert "PYTHON=~/venv/bin/python bash setup.sh" in proc.stderr
+
+
+def _fake_gpu_machine(tmp_path, driver_line: str | None):
+  """A PATH whose nvidia-smi prints `driver_line`, and a python that answers the version probes as 3.12 and logs every
+  other call (pip's included) instead of running it."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  if driver_line is not None:
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/bash\necho '| NVIDIA-SMI 580.65.06   Driver Version: 580.65.06   {driver_line}   |'\n")
+    smi.chmod(0o755)
+  python = bin_dir / "python3.12"
+  log = tmp_path / "calls.log"
+  python.write_text(f'#!/bin/bash\n[ "$1" = -V ] && {{ echo "Python 3.12.3"; exit 0; }}\necho "$@" >> {log}\nexit 0\n')
+  python.chmod(0o755)
+  return {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(python)}, log
+
+
+@pytest.mark.parametrize(
+  "driver_line, args, requirements",
+  [
+    ("CUDA Version: 13.0", [], "requirements/gpu.txt"),
+    ("CUDA Version: 12.8", [], "requirements/gpu-cuda12.txt"),
+    (None, [], "requirements/gpu.txt"),
+    ("CUDA Version: 13.0", ["CUDA=12"], "requirements/gpu-cuda12.txt"),
+  ],
+  ids=["driver13", "driver12", "no_nvidia_smi", "asked_for_12"],
+)
+def test_setup_sh_gpu_installs_the_plugin_the_driver_runs(tmp_path, driver_line, args, requirements):
+  env, log = _fake_gpu_machine(tmp_path, driver_line)
+  proc = _setup("DEVICE=gpu", "AOT=0", *args, **env)
+  assert proc.returncode == 0, proc.stderr
+  installs = [line for line in log.read_text().splitlines() if line.startswith("-m pip install") and "-r" in line]
+  assert f"-r{requirements}" in installs[0].split() and "requirements/gpu" not in installs[0].replace(requirements, "")
+  assert log.read_text().splitlines()[-1] == "-m MaxLite.runtime.install_check"
+
+
+def test_setup_sh_refuses_a_driver_older_than_cuda_12(tmp_path):
+  env, log = _fake_gpu_machine(tmp_path, "CUDA Version: 11.8")
+  proc = _setup("DEVICE=gpu", **env)
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+  assert "the NVIDIA driver runs CUDA 11; jax 0.10.2 needs a driver for CUDA 12 or 13: update the driver" in proc.stderr
+  assert not log.exists() or "pip" not in log.read_text()
+
+
+def test_install_check_takes_either_cuda_plugin_and_checks_versions_and_driver(monkeypatch):
+  from MaxLite.runtime import install_check
+
+  with pytest.raises(ConfigError, match=r"has no CUDA plugin \(jax-cuda12 or jax-cuda13\)"):
+    install_check.check("gpu", tpu_present=False, gpu_present=True)
+  versions = {"jaxlib": "0.11.2", "jax-cuda13-plugin": "0.11.2", "jax-cuda13-pjrt": "0.11.2"}
+  monkeypatch.setattr(install_check, "_installed", lambda *modules: "jax_cuda13_plugin" in modules)
+  monkeypatch.setattr(install_check, "_version", versions.get)
+  done = install_check.check("gpu", tpu_present=False, gpu_present=True, driver=13)
+  assert done.endswith("with its CUDA 13 plugin for DEVICE=gpu")  # the H200 machine: jax-cuda13 only
+  with pytest.raises(ConfigError, match=r"driver runs CUDA 12 at most; run `bash setup.sh DEVICE=gpu CUDA=12`"):
+    install_check.check("gpu", tpu_present=False, gpu_present=True, driver=12)
+  versions["jax-cuda13-pjrt"] = "0.10.2"
+  with pytest.raises(ConfigError, match="jax-cuda13-pjrt 0.10.2 does not match jaxlib 0.11.2"):
+    install_check.check("gpu", tpu_present=False, gpu_present=True, driver=13)
+  versions["jax-cuda13-pjrt"] = "0.11.2"
+  with pytest.raises(ConfigError, match="this machine has no NVIDIA GPU"):
+    install_check.check("gpu", tpu_present=False, gpu_present=False)
