@@ -178,3 +178,22 @@ def test_a_policy_saves_exactly_its_named_activations(capsys, policy, names):
 def test_bad_layer_options_are_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message):
     make_config("model_name=tiny", *overrides)
+
+
+@pytest.mark.parametrize("layout", [None, "tensor2_fsdp4"])
+def test_the_iota_embedding_equals_the_table_lookup(layout):
+  """use_iota_embed (MaxText's key): the lookup as a one-hot matmul gives the same loss and gradients, the embedding
+  table's included (there from a matmul instead of a scatter-add), on one device and split over tensor x fsdp."""
+  from MaxLite.layers.embeddings import Embed
+
+  params, want = reference("dense")
+  mesh, devices = (LAYOUTS[layout][1:], 8) if layout else ((), 1)
+  options = ("remat_policy=none", "use_iota_embed=true", f"per_device_batch_size={8 // devices}")
+  config = make_config(*DENSE, *options, *mesh, num_devices=devices)
+  _assert_same(_loss_and_grads(config, params, first_devices(devices)), want)
+  ids = jnp.zeros((2, SEQ), jnp.int32)
+  for iota, scatters in ((True, False), (False, True)):
+    embed = Embed(64, 8, iota=iota)
+    table = embed.init(jax.random.key(0), ids)
+    grad = jax.jit(jax.grad(lambda t, e=embed: jnp.sum(e.apply(t, ids)))).lower(table).as_text()
+    assert ("scatter" in grad) == scatters

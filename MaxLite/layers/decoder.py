@@ -134,7 +134,9 @@ class Transformer(nn.Module):
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
-    embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, name="token_embedder")
+    embed = Embed(
+      cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, iota=cfg.use_iota_embed, name="token_embedder"
+    )
     x = embed(ids)
     if decoder_family(cfg).scale_embeddings:  # Gemma: sqrt(width), rounded to the activation dtype
       x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
