@@ -27,6 +27,19 @@ mkdir -p "$CARRY/wheels"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$CARRY/wheels" "${WHEELS[@]}"
 
+# Dependencies of the wheels above and of MaxText that a GPU image may lack (seen missing in a python with only jax,
+# flax, optax, orbax and transformers; pillow and sympy usually come with torch/torchvision): bench_vs_maxtext.sh
+# installs each only where its distribution is absent, so none shadows an installed one.
+FALLBACK=(
+  annotated_doc==0.0.7 lazy_importer==0.1.0 cloudpickle==3.1.3 click==8.5.1 h11==0.16.0 anyio==4.16.0
+  prometheus_client==0.26.0 aiofiles==25.1.0 humanize==4.17.0 zipp==4.1.2 simplejson==4.3.0
+  pillow==13.0.0 sympy==1.14.0 mpmath==1.3.0
+)
+mkdir -p "$CARRY/wheels/fallback"
+"$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$CARRY/wheels/fallback" "${FALLBACK[@]}"
+
 # antlr4-python3-runtime 4.9.3 (omegaconf's) is published as an sdist only: build its (pure-Python) wheel once.
 if ! ls "$CARRY"/wheels/antlr4_python3_runtime-4.9.3-*.whl >/dev/null 2>&1; then
   "$PY" -m pip wheel --no-deps --no-binary=:all: -w "$CARRY/wheels" antlr4-python3-runtime==4.9.3
@@ -53,7 +66,7 @@ unset GIT_DIR GIT_INDEX_FILE
 find "$CARRY/maxtext" -name '*.ipynb' -delete
 echo "$MAXTEXT_COMMIT" > "$CARRY/maxtext/COMMIT"
 
-ls "$CARRY/wheels"
+ls "$CARRY/wheels" "$CARRY/wheels/fallback"
 du -sh "$CARRY/wheels"; du -sh "$CARRY/maxtext"; du -sh "$CARRY"
 total_kib=$(du -sk "$CARRY" | cut -f1)
 if (( total_kib > 60 * 1024 )); then
