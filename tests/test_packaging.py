@@ -44,9 +44,9 @@ def test_one_pinned_source_of_dependencies():
   dynamic = _pyproject()["tool"]["setuptools"]["dynamic"]
   assert dynamic["dependencies"]["file"] == ["requirements.txt"]
   extras = dynamic["optional-dependencies"]
-  assert set(extras) == {"tpu", "gpu", "gcs", "test"}
+  assert set(extras) == {"tpu", "gpu", "gpu-cuda12", "gcs", "test"}
   pins = dict(line.split("==") for line in open(os.path.join(REPO, "requirements.txt")) if "==" in line)
-  for extra in ("tpu", "gpu"):
+  for extra in ("tpu", "gpu", "gpu-cuda12"):
     (requirement,) = [line.strip() for line in open(os.path.join(REPO, extras[extra]["file"][0])) if "==" in line]
     assert requirement.split("==")[1] == pins["jax"].strip(), f"{extra} extra pins another jax than requirements.txt"
 
