@@ -1,6 +1,7 @@
 """Checkpoint reads: storage errors that pass are retried and never taken for a corrupt step."""
 
 import errno
+import json
 
 import pytest
 
@@ -113,10 +114,11 @@ def test_an_error_of_unknown_kind_that_outlasts_the_retries_stops_the_run(error)
   "error",
   [
     FileNotFoundError("no _METADATA"),
-    ValueError("Expecting value: line 1 column 1"),
+    json.JSONDecodeError("Expecting value", "", 0),
     _HttpError(404),
-    KeyError("x"),
+    reads.DamagedFileError("process_0-of-1.json has no process_index"),
     ValueError('DATA_LOSS: Error reading "params.w/0": checksum mismatch'),
+    ValueError('OUT_OF_RANGE: Error opening "zarr" driver: Error reading "opt_state.1.0.count/.zarray"'),
     _raised_from(RuntimeError("restore failed"), FileNotFoundError("no _METADATA")),
   ],
 )
@@ -174,3 +176,32 @@ def test_a_failed_reads_orphaned_sibling_futures_stay_out_of_the_output_and_befo
   assert "tensorstore_spec" not in err
   assert "a bug elsewhere" in err  # other futures' errors still show
   assert err.rstrip().splitlines()[-1] == "error: checkpoint /r/2 could not be read"
+
+
+def _orbax_mistakes(tmp_path):
+  """What orbax raises for restores that do not fit a good step: a target tree without one of its arrays, and one
+  with an array the step lacks (ValueErrors both, like a damaged file's)."""
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from etils import epath
+
+  path = epath.Path(tmp_path) / "6"
+  checkpointer = ocp.PyTreeCheckpointer()
+  checkpointer.save(path, {"a": np.ones(4), "b": np.zeros(3)})
+  targets = [{"a": np.ones(4)}, {"a": np.ones(4), "b": np.zeros(3), "c": np.zeros(2)}]
+  return [lambda t=t: checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=t)) for t in targets]
+
+
+def test_a_restore_that_does_not_fit_a_good_step_stops_at_once_without_falling_back(tmp_path):
+  """orbax's ValueErrors for a wrong target or sharding are the run's mistake, not the step's: every earlier step
+  would fail alike, so neither a retry nor a fallback (UnreadableCheckpointError), one line instead."""
+  for restore in _orbax_mistakes(tmp_path):
+    calls = []
+
+    def fn(restore=restore, calls=calls):
+      calls.append(1)
+      return restore()
+
+    with pytest.raises(reads.CheckpointError, match=r"could not be restored into this run \(ValueError: ") as error:
+      reads.read(str(tmp_path / "6"), fn, sleep=lambda s: None)
+    assert not isinstance(error.value, (UnreadableCheckpointError, CheckpointReadError)) and len(calls) == 1

@@ -24,7 +24,7 @@ from etils import epath
 
 from MaxLite import storage
 from MaxLite.checkpoint import CONFIG, CONFIG_FILE, DATA_ITER, STATE, agreement
-from MaxLite.checkpoint.reads import UnreadableCheckpointError, read
+from MaxLite.checkpoint.reads import DamagedFileError, UnreadableCheckpointError, read
 from MaxLite.cli.errors import CheckpointError, InputError, first_line
 from MaxLite.config import Config
 
@@ -41,6 +41,11 @@ class DataIteratorHandler(ocp.CheckpointHandler):
     records = [json.loads(p.read_text()) for p in sorted(directory.glob("process_*-of-*.json"))]
     if not records:  # every save writes at least process 0's file: the step lost its files
       raise FileNotFoundError(f"no process_*-of-*.json in {directory}")
+    missing = [
+      p.name for p, r in zip(sorted(directory.glob("process_*-of-*.json")), records) if "process_index" not in r
+    ]
+    if missing:
+      raise DamagedFileError(f"{directory}: {', '.join(missing)} has no process_index")
     return {r["process_index"]: r for r in records}
 
   def metadata(self, directory: epath.Path) -> None:

@@ -5,7 +5,10 @@ network blip seen by one host must not send that host back a step while the othe
 
 Definite errors are named one by one; an error of any other kind (an I/O error, tensorstore's UNKNOWN, a type
 nobody listed) says nothing about the step's files, so it is retried like a transient one and, if it persists,
-stops the run instead of costing it the steps since an earlier checkpoint.
+stops the run instead of costing it the steps since an earlier checkpoint. A plain ValueError, KeyError or TypeError
+with no storage error behind it is neither: orbax raises those for a target or sharding that does not fit the step,
+which every step would hit alike (a config or code mistake), so it stops the run at once, with no retry and no
+fallback.
 
 `MAXLITE_TEST_CHECKPOINT_READ_FAULT=<process>:<step>:<transient|corrupt>:<times>` makes reads of that step fail
 on that process the first `times` times (-1: always). It is a hook for tests, which cannot cut one process's
@@ -14,6 +17,7 @@ network, exposed on purpose; nothing sets it in a run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -58,9 +62,24 @@ _OTHER_STATUS = frozenset(
     "UNAVAILABLE",
   }
 )
-# A path that is not there (or not of its kind) and data that does not parse (json's and UnicodeDecodeError are
-# ValueErrors, as are orbax's complaints about a step's metadata; KeyError: a record without a field it must have).
-_DEFINITE_TYPES = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, KeyError)
+
+
+class DamagedFileError(ValueError):
+  """Raised by MaxLite's own readers of a step's small files (a record without a field it must have)."""
+
+
+# A path that is not there (or not of its kind) and data that does not parse. Plain ValueError and KeyError are not
+# here: orbax raises them for a restore target that does not fit the step as well as for bad files; tensorstore's
+# complaints about bad data carry a status (_BAD_DATA_STATUS) and are recognised by it.
+_DEFINITE_TYPES = (
+  FileNotFoundError,
+  NotADirectoryError,
+  IsADirectoryError,
+  json.JSONDecodeError,
+  UnicodeDecodeError,
+  DamagedFileError,
+)
+_PROGRAM_ERROR_TYPES = (ValueError, KeyError, TypeError, IndexError, AttributeError)
 
 
 class UnreadableCheckpointError(CheckpointError):
@@ -115,7 +134,21 @@ def _says_nothing_about_the_files(error: BaseException) -> bool:
 
 
 def _definite(error: BaseException) -> bool:
-  return isinstance(error, _DEFINITE_TYPES) or getattr(error, "code", None) in (404, 410)
+  return (
+    isinstance(error, _DEFINITE_TYPES)
+    or getattr(error, "code", None) in (404, 410)
+    or bool(_statuses(error) & _BAD_DATA_STATUS)
+    or type(error).__module__.split(".")[0] == "msgpack"  # orbax's small values, unparsable
+  )
+
+
+def is_program_error(error: BaseException) -> bool:
+  """Whether an exception is a mistake of the restore itself (a target or sharding that does not fit the step):
+  a ValueError/KeyError/TypeError/... with nothing in its chain from storage or from the step's files."""
+  chain = list(_chain(error))
+  if is_transient(error) or any(_denied(e) or _says_nothing_about_the_files(e) or _definite(e) for e in chain):
+    return False
+  return isinstance(error, _PROGRAM_ERROR_TYPES)
 
 
 def is_unreadable(error: BaseException) -> bool:
@@ -143,7 +176,7 @@ def _inject_fault(where: str) -> None:
   _injected[spec] = done + 1
   if kind == "transient":
     raise ConnectionResetError(f"injected transient fault {done + 1} reading {where} ({FAULT_ENV})")
-  raise ValueError(f"injected corruption reading {where} ({FAULT_ENV})")
+  raise ValueError(f"DATA_LOSS: injected corruption reading {where} ({FAULT_ENV})")
 
 
 def read(where: str, fn: Callable[[], T], sleep: Callable[[float], Any] = time.sleep) -> T:
@@ -160,6 +193,12 @@ def read(where: str, fn: Callable[[], T], sleep: Callable[[float], Any] = time.s
       cause = first_line(e, with_type=True)
       if is_unreadable(e):
         raise UnreadableCheckpointError(f"checkpoint {where} could not be read ({cause})") from e
+      if is_program_error(e):
+        raise CheckpointError(
+          f"checkpoint {where} could not be restored into this run ({cause}); that is not a storage error or a "
+          "damaged file (an earlier step would fail alike), so the run stops: check the run's config and mesh "
+          "against the checkpoint's"
+        ) from e
       # Refused access stays refused: retrying it would only delay the one line that says so.
       denied = any(_denied(c) for c in _chain(e)) and not is_transient(e)
       if not denied and attempt < ATTEMPTS:
