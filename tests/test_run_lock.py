@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -282,6 +283,36 @@ def test_gs_lock_is_lost_once_its_heartbeat_has_failed_for_the_stale_time(bucket
     monkeypatch.undo()
     lock.release()
   assert server.objects("locks", "silent/") == []
+
+
+def test_a_hung_bucket_request_holds_up_no_save_past_the_locks_deadline(bucket, monkeypatch):
+  """A heartbeat whose request never returns held the lock's mutex, and lost(), which every process's save waits
+  on, waited for it as long as it hung. Every request is now bounded by the time left before the lock would count
+  as lost: lost() answers by then, with the lock counted as lost, and the lock still releases."""
+  from MaxLite import storage
+
+  server, url = bucket
+  monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+  monkeypatch.setattr(run_lock, "STALE_AFTER_S", 1.0)
+  lock = run_lock.acquire(make_config(*TINY, f"base_output_directory={url}/hung"))
+  never = threading.Event()
+  try:
+    hang = lambda *args, **kwargs: never.wait()  # noqa: E731
+    monkeypatch.setattr(storage, "replace_generation", hang)
+    monkeypatch.setattr(storage, "read_generation", hang)
+    time.sleep(0.2)  # the heartbeat's request is now hanging
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(lock.lost()), daemon=True)
+    started = time.monotonic()
+    asking.start()
+    asking.join(timeout=10)
+    assert answers, "lost() still waits on the hung request"
+    assert time.monotonic() - started < 2 * run_lock.STALE_AFTER_S
+    assert re.search(r"hung/r/run.lock had no successful heartbeat for \d+s", answers[0] or ""), answers
+  finally:
+    never.set()
+    monkeypatch.undo()
+    lock.release()
 
 
 def test_metrics_are_not_written_once_the_lock_is_lost(bucket, monkeypatch):

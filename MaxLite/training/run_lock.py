@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import signal
@@ -200,10 +201,32 @@ def _remove_empty_dirs(run_dir: str, outermost: str) -> None:
     path = os.path.dirname(path)
 
 
+def _bounded(call: Any, seconds: float) -> Any:
+  """call() on a daemon thread, waited for `seconds` at most: TimeoutError if it has not returned by then (it may
+  still finish later; nothing waits for it). A bucket request that hangs must not hold up a save or a metrics row
+  past the time the lock counts as lost anyway."""
+  done, result = threading.Event(), {}
+
+  def run() -> None:
+    try:
+      result["value"] = call()
+    except BaseException as e:  # handed to the caller
+      result["error"] = e
+    done.set()
+
+  threading.Thread(target=run, name="run_lock_request", daemon=True).start()
+  if not done.wait(max(seconds, 0.0)):
+    raise TimeoutError(f"no answer from the bucket within {seconds:.0f}s")
+  if "error" in result:
+    raise result["error"]
+  return result["value"]
+
+
 class _ObjectLock:
   """A lock object in a bucket with an owner-refreshed heartbeat (see the module docstring). Every write after
   the first is conditioned on the generation this run last wrote, so a heartbeat never overwrites a new
-  owner's lock: it finds it and marks this run's lock as lost."""
+  owner's lock: it finds it and marks this run's lock as lost. No bucket request is made while holding the mutex,
+  and each is bounded by the time left before the lock would count as lost (_deadline_s)."""
 
   def __init__(self, config: Config):
     self.path = lock_path(config)
@@ -256,13 +279,18 @@ class _ObjectLock:
       return f"no heartbeat for {age:.0f}s (more than {STALE_AFTER_S:.0f}s)"
     return None
 
-  def _taken_by(self) -> str | None:
-    """Who holds the lock if not this run (None: this run does). Caller holds _mutex."""
-    found = storage.read_generation(self.path)
+  def _deadline_s(self) -> float:
+    """Seconds until the lock counts as lost for want of a heartbeat (_silence); at least one beat, so a request
+    made right after a failed beat still gets a fair chance."""
+    return max(STALE_AFTER_S - HEARTBEAT_S - (time.monotonic() - self._beaten), HEARTBEAT_S)
+
+  def _holder(self) -> tuple[str | None, int | None]:
+    """(who holds the lock if not this run, else None; the lock object's generation), read within the deadline."""
+    found = _bounded(lambda: storage.read_generation(self.path), self._deadline_s())
     if found is None:
-      return "nothing (the lock object was deleted)"
+      return "nothing (the lock object was deleted)", None
     owner = _parse(found[0])
-    return None if owner.get("token") == self._record["token"] else _owner(owner)
+    return (None if owner.get("token") == self._record["token"] else _owner(owner)), found[1]
 
   def _lose(self, by: str) -> None:
     self._lost = f"this run's lock {self.path} was taken over by {by}"
@@ -273,21 +301,28 @@ class _ObjectLock:
       with self._mutex:
         if self._lost is not None:
           return
-        stamped = time.monotonic()
-        self._record["heartbeat"] = time.time()
-        try:
-          generation = storage.replace_generation(self.path, json.dumps(self._record), self._generation)
-        except Exception as e:  # a network hiccup: the next beat tries again; _silence() bounds how long
-          self._failure = first_line(e, with_type=True)
-          logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, self._failure)
-          continue
-        if generation is None:  # someone wrote (or deleted) the lock since our last write: it is not ours
-          try:
-            by = self._taken_by()
-          except Exception:  # only the new owner's name is missing
-            by = None
-          self._lose(by or "another writer")
+        previous = self._generation
+      stamped = time.monotonic()
+      self._record["heartbeat"] = time.time()
+      record = json.dumps(self._record)
+      try:
+        write = functools.partial(storage.replace_generation, self.path, record, previous)
+        generation = _bounded(write, self._deadline_s())
+        by = None
+        if generation is None:  # someone wrote (or deleted) the lock since our last write
+          by, generation = self._holder()
+      except Exception as e:  # a network hiccup: the next beat tries again; _silence() bounds how long
+        self._failure = first_line(e, with_type=True)
+        logging.warning("%s: could not refresh the lock heartbeat (%s)", self.path, self._failure)
+        continue
+      with self._mutex:
+        if self._lost is not None:
           return
+        if by is not None:
+          self._lose(by)
+          return
+        # Ours: this beat's write, or an earlier one that answered after its deadline (the object holds our token,
+        # so it is still this run's lock; its generation is what the next write is conditioned on).
         self._generation, self._beaten, self._failure = generation, stamped, ""
 
   def _silence(self) -> str | None:
@@ -313,25 +348,25 @@ class _ObjectLock:
       self._lost = silent
     if self._lost is not None or not ask_store:
       return self._lost
+    try:
+      by, _ = self._holder()
+    except Exception as e:
+      logging.warning("%s: could not read the lock (%s)", self.path, first_line(e, with_type=True))
+      by = None
     with self._mutex:
-      if self._lost is None:
-        try:
-          by = self._taken_by()
-        except Exception as e:
-          logging.warning("%s: could not read the lock (%s)", self.path, first_line(e, with_type=True))
-          by = None
-        if by is not None:
-          self._lose(by)
+      if self._lost is None and by is not None:
+        self._lose(by)
+      elif self._lost is None:
+        self._lost = self._silence()  # a read that hung until the deadline: the lock counts as lost by now
       return self._lost
 
   def release(self) -> None:
     self._stop.set()
     self._thread.join()
     try:
-      with self._mutex:
-        found = storage.read_generation(self.path)
-        if found is not None and _parse(found[0]).get("token") == self._record["token"]:
-          storage.remove_generation(self.path, found[1])
+      found = _bounded(lambda: storage.read_generation(self.path), HEARTBEAT_S)
+      if found is not None and _parse(found[0]).get("token") == self._record["token"]:
+        _bounded(lambda: storage.remove_generation(self.path, found[1]), HEARTBEAT_S)
     except Exception as e:
       logging.warning("%s: could not remove the lock (%s)", self.path, first_line(e, with_type=True))
 
