@@ -284,3 +284,47 @@ def test_plan_searches_quantization_as_a_dimension(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   rows = [line for line in out.stdout.splitlines() if "fsdp8 | full | dot_product | b1" in line]
   assert sum("| int8" in r for r in rows) == 1 and sum("| int8" not in r for r in rows) >= 1, out.stdout
+
+
+def _int8_dots(config) -> int:
+  """How many matmuls of the model's forward pass take int8 operands (each traced layer counted once)."""
+  import jax.extend as jex
+
+  from MaxLite import builder
+
+  ids = np.ones((2, 32), np.int32)
+  params = jax.eval_shape(lambda: builder.model(config).init(jax.random.key(0), ids, ids, ids))["params"]
+  traced = jax.make_jaxpr(lambda p: builder.model(config).apply({"params": p}, ids, ids, ids))(params)
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+          if isinstance(sub, jex.core.ClosedJaxpr):
+            yield from eqns(sub.jaxpr)
+          elif isinstance(sub, jex.core.Jaxpr):
+            yield from eqns(sub)
+
+  dots = [e for e in eqns(traced.jaxpr) if e.primitive.name == "dot_general"]
+  return sum(all(v.aval.dtype == jnp.int8 for v in e.invars[:2]) for e in dots)
+
+
+# Each family's projections, as its layer defines them (one traced layer per scanned stack):
+# Llama-shaped and Gemma 3: q, k, v, out, gate, up, down. DeepSeek (a dense stack, then a MoE one): MLA's wq_a, wq_b,
+# wkv_a, wkv_b, out, then the MLP's or the shared experts' gate, up, down. Mixtral-shaped: q, k, v, out (its routed
+# experts and router stay in the compute dtype, as the module docstring says).
+PROJECTIONS_PER_FAMILY = [
+  ("tiny", (), 7),
+  ("tiny", ("scan_layers=false",), 7 * 2),
+  ("tiny-gemma3", (), 7),
+  ("tiny-deepseek", (), 2 * (5 + 3)),
+  ("tiny-deepseek", ("scan_layers=false",), 4 * (5 + 3)),
+  ("tiny-moe", (), 4),
+]
+
+
+@pytest.mark.parametrize("model, options, projections", PROJECTIONS_PER_FAMILY)
+def test_every_projection_of_every_family_is_quantized(model, options, projections):
+  assert _int8_dots(make_config(f"model_name={model}", "max_target_length=32", *options, *INT8)) == projections
+  assert _int8_dots(make_config(f"model_name={model}", "max_target_length=32", *options)) == 0
