@@ -328,3 +328,24 @@ PROJECTIONS_PER_FAMILY = [
 def test_every_projection_of_every_family_is_quantized(model, options, projections):
   assert _int8_dots(make_config(f"model_name={model}", "max_target_length=32", *options, *INT8)) == projections
   assert _int8_dots(make_config(f"model_name={model}", "max_target_length=32", *options)) == 0
+
+
+def test_gpus_are_known_by_device_kind_with_their_fp8_and_int8_rates():
+  """An H100 or H200 has fp8 and int8 tensor cores: quantization=fp8 there is no emulation (the warning said so on
+  every GPU before); an A100 has int8 but no fp8. The chip's bf16 peak is what MFU is measured against."""
+  from MaxLite.layers.quantization import native_path_note
+  from MaxLite.parallel import topologies
+
+  h100 = topologies.accelerator_chip("gpu", "NVIDIA H100 80GB HBM3", {})
+  h200 = topologies.accelerator_chip("cuda", "NVIDIA H200", {})
+  pcie = topologies.gpu_chip("NVIDIA H100 PCIe")
+  a100 = topologies.gpu_chip("NVIDIA A100-SXM4-80GB")
+  assert (h100.family, h200.family, pcie.family, a100.family) == ("H100", "H200", "H100 PCIe", "A100")
+  assert h100.peak_bf16_tflops == h200.peak_bf16_tflops == 989.4 and h200.hbm_bytes > h100.hbm_bytes
+  for chip in (h100, h200):
+    assert native_path_note("fp8", chip.family, chip.peak_int8_tops, chip.peak_fp8_tflops) is None
+    assert native_path_note("int8", chip.family, chip.peak_int8_tops, chip.peak_fp8_tflops) is None
+  assert "no native fp8" in native_path_note("fp8", "A100", a100.peak_int8_tops, a100.peak_fp8_tflops)
+  assert topologies.gpu_chip("NVIDIA GeForce RTX 4090") is None
+  assert topologies.accelerator_chip("tpu", "TPU v5p", {"TPU_ACCELERATOR_TYPE": "v5p-8"}).family == "v5p"
+  assert topologies.accelerator_chip("cpu", "cpu", {}) is None

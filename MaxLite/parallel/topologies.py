@@ -66,6 +66,37 @@ CHIPS = {
   "v6e": Chip("v6e", 1, 2, 32 * GiB, 918.0, None, 1640.0, 86.8, 25.0, 32.0, peak_int8_tops=1836.0),
 }
 
+# NVIDIA's published dense (no sparsity) per-GPU figures (H100/H200/A100/B200 datasheets): bf16, fp8 and int8
+# tensor-core peaks, HBM capacity and bandwidth. NVLink one way: 18 links of 25 GB/s on H100/H200 (450 GB/s), 12 on
+# A100 (300), 18 of 50 on B200 (900), entered as half that (the model counts two links per dimension, dims=1); one
+# 400 Gbit/s NIC per GPU between nodes (200 on A100 systems); PCIe Gen5 x16 to the host (Gen4 on A100). Matched by
+# jax's device_kind, e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H200".
+GPU_CHIPS = {
+  "H100 PCIe": Chip("H100 PCIe", 1, 1, 80 * 10**9, 756.0, None, 2000.0, 150.0, 400.0, 64.0, 1513.0, 1513.0),
+  "H100": Chip("H100", 1, 1, 80 * 10**9, 989.4, None, 3350.0, 225.0, 400.0, 64.0, 1978.9, 1978.9),
+  "H200": Chip("H200", 1, 1, 141 * 10**9, 989.4, None, 4800.0, 225.0, 400.0, 64.0, 1978.9, 1978.9),
+  "A100": Chip("A100", 1, 1, 80 * 10**9, 312.0, None, 2039.0, 150.0, 200.0, 32.0, 624.0, 0.0),
+  "B200": Chip("B200", 1, 1, 180 * 10**9, 2250.0, None, 8000.0, 450.0, 400.0, 64.0, 4500.0, 4500.0),
+}
+
+
+def gpu_chip(device_kind: str) -> Chip | None:
+  """The GPU_CHIPS entry for jax's device_kind (the most specific name it contains), or None for one not listed."""
+  for name in sorted(GPU_CHIPS, key=len, reverse=True):
+    if name.replace(" ", "").lower() in device_kind.replace(" ", "").lower():
+      return GPU_CHIPS[name]
+  return None
+
+
+def accelerator_chip(platform: str, device_kind: str, environ: dict[str, str]) -> Chip | None:
+  """This machine's chip, where its figures are known: a TPU by TPU_ACCELERATOR_TYPE, a GPU by its device_kind."""
+  if platform == "tpu":
+    family = family_of_accelerator(environ.get("TPU_ACCELERATOR_TYPE", ""))
+    return CHIPS.get(family) if family else None
+  if platform in ("gpu", "cuda"):
+    return gpu_chip(device_kind)
+  return None
+
 
 # XLA flags for TPU collectives, per chip generation, from MaxText's performance recipes (MaxText commit 30c0d0d4c:
 # configs/v5p/*.sh, v5e/*.sh and v4/*.sh export them as LIBTPU_INIT_ARGS): all-gathers and reduce-scatters run

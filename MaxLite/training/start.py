@@ -48,16 +48,29 @@ def summarize(config: config_lib.Config) -> str:
   return "\n".join(lines)
 
 
+def _with_chip_peak(config: config_lib.Config) -> config_lib.Config:
+  """peak_tflops_per_device=-1 on a chip whose figures are known (a TPU generation, an H100/H200/A100/B200): its
+  published dense bf16 peak, so metrics report MFU there without the key."""
+  if config.peak_tflops_per_device > 0:
+    return config
+  import jax
+
+  device = jax.devices()[0]
+  chip = topologies.accelerator_chip(device.platform, getattr(device, "device_kind", ""), dict(os.environ))
+  if chip is None:
+    return config
+  logging.info("MFU against %s's bf16 peak, %.1f TFLOP/s per device", chip.family, chip.peak_bf16_tflops)
+  return config_lib.Config({**config.to_dict(), "peak_tflops_per_device": chip.peak_bf16_tflops})
+
+
 def _say_native_path(config: config_lib.Config) -> None:
   import jax
 
   from MaxLite.layers.quantization import native_path_note
 
   device = jax.devices()[0]
-  tpu = device.platform == "tpu"
-  family = topologies.family_of_accelerator(os.environ.get("TPU_ACCELERATOR_TYPE", "")) if tpu else None
-  chip = topologies.CHIPS.get(family) if family else None
-  name = family or device.platform
+  chip = topologies.accelerator_chip(device.platform, getattr(device, "device_kind", ""), dict(os.environ))
+  name = chip.family if chip else device.platform
   note = native_path_note(config.quantization, name, *((chip.peak_int8_tops, chip.peak_fp8_tflops) if chip else (0, 0)))
   if note and jax.process_index() == 0:
     print(note, flush=True)
@@ -73,7 +86,7 @@ def run(argv: Sequence[str]) -> None:
     logging.info(flags)
   if distributed.initialize(raw):
     distributed.shared_run_name(raw)
-  config = config_lib.build(raw)
+  config = _with_chip_peak(config_lib.build(raw))
   # Before anything is written: an unreachable bucket is one line now, not a traceback at the first save.
   storage.check_bucket(config.base_output_directory, "base_output_directory")
   preflight.run_all(config, tpu_present)
