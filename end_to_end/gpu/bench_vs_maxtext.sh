@@ -156,6 +156,11 @@ if [[ $SMOKE != 1 ]]; then
     "$PY" end_to_end/benchmark.py configs/bench.yml model_name=llama3.2-1b per_device_batch_size=8 \
     max_target_length=4096 dtype=bfloat16 weight_dtype=float32 remat_policy=full steps=$STEPS enable_checkpointing=false
   SUMMARY_ARGS+=("llama3.2-1b-cublas=32768")
+  # Hopper's fp8 tensor cores (issue 54 item 3): the projections in fp8 through Qwix, same row.
+  run "llama3.2-1b-fp8-maxlite" 150 "$PY" end_to_end/benchmark.py configs/bench.yml model_name=llama3.2-1b \
+    per_device_batch_size=8 max_target_length=4096 dtype=bfloat16 weight_dtype=float32 remat_policy=full \
+    quantization=fp8 use_qwix_quantization=true steps=$STEPS enable_checkpointing=false
+  SUMMARY_ARGS+=("llama3.2-1b-fp8=32768")
 fi
 
 "$PY" end_to_end/gpu/summarize.py "$OUT" "${SUMMARY_ARGS[@]}"
