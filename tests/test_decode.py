@@ -193,3 +193,21 @@ def test_decode_cli_warns_of_a_cut_prompt_and_shows_what_the_model_saw():
   shown = proc.stdout.split("[0] ", 1)[1].split("\n[1] ", 1)[0]
   assert shown.startswith("…") and "omega" in shown and "alpha" not in shown, proc.stdout
   assert "\n[1] short" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "huggingface"])
+def test_the_continuation_keeps_the_space_decoding_it_alone_drops(kind):
+  """decode.py printed `The list type isthe :issue:`: sentencepiece drops the leading space of a text's first piece,
+  so a continuation decoded on its own lost the space before it. Decoded with its prompt, the text reads as the model
+  wrote it, for the shipped sentencepiece model and the shipped tokenizer.json alike."""
+  from MaxLite.data.tokenizer import load_tokenizer
+  from MaxLite.inference.generate import continuation_text
+
+  path = {"sentencepiece": "assets/tokenizer/maxlite_sp8k.model", "huggingface": "assets/tokenizer/chat"}[kind]
+  tokenizer = load_tokenizer(os.path.join(REPO, path), kind)
+  prompt_text, whole = "The list type is", "The list type is the :issue: x — naïve"
+  prompt = tokenizer.encode(prompt_text)
+  new = tokenizer.encode(whole)[len(prompt) :]
+  assert tokenizer.encode(whole)[: len(prompt)] == prompt
+  bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
+  assert prompt_text + continuation_text(tokenizer, bos + prompt, new) == whole

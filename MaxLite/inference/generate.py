@@ -148,6 +148,15 @@ def load_params(config: Any, mesh: Any) -> Any:
   return merge(loaded, adapters)
 
 
+def continuation_text(tokenizer: Any, prompt: Sequence[int], new: Sequence[int]) -> str:
+  """The text `new` adds after `prompt`: decoded together with the prompt, less the prompt's own text. Decoded alone
+  a continuation loses what depends on what precedes it (sentencepiece drops its first piece's leading space, a
+  byte-level tokenizer may split a character across the boundary)."""
+  prompt = [t for t in prompt if t != tokenizer.bos_id]
+  before, together = tokenizer.decode(prompt), tokenizer.decode([*prompt, *new])
+  return together[len(before) :] if together.startswith(before) else tokenizer.decode(new)
+
+
 def _fit_prompts(config: Any, tokenizer: Any, texts: Sequence[str]) -> tuple[list[list[int]], list[str]]:
   """Each prompt's tokens as the model gets them, and its text as the output shows it: a prompt cut to
   max_prefill_predict_length is shown as what the model saw, after "…", with a warning naming both lengths."""
@@ -188,8 +197,8 @@ def run(argv: Sequence[str]) -> list[str]:
     outputs, _ = generate(config, params, prompts, eos_id=eos if eos >= 0 else None)
   # Ids past the tokenizer's vocabulary (a model's padded embedding rows, e.g. Qwen's) have no text.
   results = [
-    text + tokenizer.decode([t for t in out if t != eos and t < tokenizer.vocab_size])
-    for text, out in zip(texts, outputs)
+    text + continuation_text(tokenizer, prompt, [t for t in out if t != eos and t < tokenizer.vocab_size])
+    for text, prompt, out in zip(texts, prompts, outputs)
   ]
   for i, result in enumerate(results):
     print(f"[{i}] {result}", flush=True)
