@@ -107,6 +107,24 @@ def test_sigterm_saves_current_step_and_exits_0(tmp_path):
   }
 
 
+def test_ctrl_c_saves_the_step_and_says_so(tmp_path):
+  """The first Ctrl-C (SIGINT to the terminal's process group) saves the current step, as preemption does, says so,
+  and the same command resumes from it (a second Ctrl-C: tests/test_train.py)."""
+  args = (*TINY, "dataset_type=synthetic", "per_device_batch_size=4", f"base_output_directory={tmp_path}")
+  run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1000", "steps=100000")
+  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
+  proc = procs.start(procs.train_command(*run_args, "run_name=b"), log)
+  procs.wait_for_step(proc, metrics, 3, log)
+  os.killpg(proc.pid, signal.SIGINT)
+  assert proc.wait(timeout=60) == 0, procs.tail(log)
+  stopped_at = max(procs.losses(procs.metric_rows(metrics)))
+  assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == [str(stopped_at)]
+  assert "Ctrl-C: saving a checkpoint when this step ends" in procs.tail(log)
+  assert re.search(
+    rf"interrupted: saved a checkpoint at step {stopped_at} in \S+; run the same command", procs.tail(log)
+  )
+
+
 def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   """Save every step with a model whose saves take longer than a step, kill while one is in flight."""
   args = (

@@ -265,3 +265,28 @@ def test_a_preemption_service_that_fails_is_reported_once_not_on_every_step(monk
   warnings = [r.getMessage() for r in caplog.records if "preemption notices are off" in r.getMessage()]
   assert len(warnings) == 1 and "has not been initialized" in warnings[0], caplog.text
   assert asked == [1]
+
+
+def test_a_first_ctrl_c_asks_for_a_save_and_a_second_one_interrupts_at_once(capsys):
+  """SIGINT in a single process: the first is taken as preemption (the step is saved, end_to_end/test_kill_resume.py)
+  and said on stderr; the handler then steps aside, so the second raises KeyboardInterrupt at once; closing the
+  watcher puts the original handler back."""
+  import os
+  import signal
+
+  from MaxLite.training import preemption
+
+  original = signal.getsignal(signal.SIGINT)
+  watcher = preemption.PreemptionWatcher()
+  try:
+    assert not watcher.reached(1)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert watcher.reached(2) and watcher.interrupted
+    assert "Ctrl-C: saving a checkpoint when this step ends" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      for _ in range(100):  # the handler runs between bytecodes of the main thread
+        pass
+  finally:
+    watcher.close()
+  assert signal.getsignal(signal.SIGINT) is original

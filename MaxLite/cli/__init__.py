@@ -35,6 +35,7 @@ def run(entry: Entry, argv: Sequence[str]) -> int:
   except MaxLiteError as e:
     message = f"error: {e}"
   except KeyboardInterrupt:
+    print("\ninterrupted (Ctrl-C): stopped at once; steps since the last checkpoint are not saved", file=sys.stderr)
     return INTERRUPTED
   else:
     return result if isinstance(result, int) else 0

@@ -6,6 +6,8 @@ With checkpointing off the loop gets a NoCheckpointer, which restores nothing an
 
 from __future__ import annotations
 
+import sys
+
 from typing import Any
 
 import jax
@@ -91,7 +93,14 @@ class Checkpointer:
       log.store()
       saved = state if state.frozen is None else state.replace(frozen=None)  # LoRA: the adapters, not the base
       self._saves.save(step, saved, batches, self._config, force=must_save)
-    if preempted:
+    if preempted and self._preemption.interrupted:
+      print(
+        f"interrupted: saved a checkpoint at step {step} in {self._config.checkpoint_dir}; run the same command "
+        "to resume",
+        file=sys.stderr,
+        flush=True,
+      )
+    elif preempted:
       logging.info("preempted: saved a checkpoint at step %d, stopping", step)
     return preempted
 
