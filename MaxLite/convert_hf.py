@@ -1,4 +1,5 @@
-"""Convert Hugging Face Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE checkpoints to MaxLite checkpoints and back.
+"""Convert Hugging Face checkpoints to MaxLite checkpoints and back: Llama, Mistral, Mixtral, Qwen2, Qwen3,
+Qwen3-MoE, Gemma 3 and DeepSeek-V3 (every architecture a family in MaxLite/models/ reads).
 
 Usage:
   python MaxLite/convert_hf.py to_maxlite --hf_path=DIR --output_path=CKPT [CONFIG.yml] [key=value ...]

@@ -10,6 +10,7 @@ writes data/mine/sp.model and sp.vocab; the shipped assets/tokenizer/maxlite_sp8
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +30,13 @@ def run(argv: Sequence[str]) -> int:
   p.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe")
   p.add_argument("--input_sentence_size", type=int, default=2_000_000, help="max lines sampled for training")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--overwrite", action="store_true", help="replace PREFIX.model and PREFIX.vocab if they exist")
   args = p.parse_args(argv)
+  existing = [
+    f"{args.model_prefix}.{ext}" for ext in ("model", "vocab") if os.path.exists(f"{args.model_prefix}.{ext}")
+  ]
+  if existing and not args.overwrite:  # a run's tokenizer, replaced, would silently re-map every token it trained on
+    raise InputError(f"{', '.join(existing)} already exist(s); pass --overwrite to replace, or another --model_prefix")
   try:
     path = train_tokenizer(
       args.input,

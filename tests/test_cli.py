@@ -88,3 +88,12 @@ def test_no_config_prints_the_usage_of_the_tool_that_was_run(command, name, usag
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
   assert errors[0].startswith(f"error: usage: {name} {usage}"), errors[0]
   assert errors[0].endswith(f"(see {name} --help)"), errors[0]
+
+
+def test_convert_hf_help_names_every_architecture_it_reads():
+  """--help listed Llama/Mistral/Qwen only while Gemma 3, DeepSeek-V3 and Mixtral converted too."""
+  from MaxLite import convert_hf, models
+
+  squeeze = lambda text: "".join(ch for ch in text.lower() if ch.isalnum())  # noqa: E731
+  for architecture in models.architectures():
+    assert squeeze(architecture.removesuffix("ForCausalLM")) in squeeze(convert_hf.__doc__), architecture

@@ -286,8 +286,16 @@ def test_train_tokenizer_tool(tmp_path, capsys):
   assert (tok.vocab_size, tok._sp.unk_id(), tok.bos_id, tok.eos_id) == (600, 0, 1, 2)
   text = "Any text\tencodes:  ünïcødé ✓ 😀\n  indented"
   assert tok.decode(tok.encode(text)) == text
-  assert train_tokenizer.main(["--input", str(tmp_path / "none*"), "--model_prefix", prefix]) == 2
+  assert train_tokenizer.main(["--input", str(tmp_path / "none*"), "--model_prefix", prefix + "2"]) == 2
   assert "error: --input: no files match" in capsys.readouterr().err
+  # An existing model is never replaced silently (a run trained with it would decode to other text).
+  trained = open(prefix + ".model", "rb").read()
+  again = ["--input", os.path.join(CORPUS, "eval-*.array_record"), "--model_prefix", prefix, "--vocab_size", "500"]
+  assert train_tokenizer.main(again) == 2
+  assert f"error: {prefix}.model, {prefix}.vocab already exist(s); pass --overwrite" in capsys.readouterr().err
+  assert open(prefix + ".model", "rb").read() == trained
+  assert train_tokenizer.main([*again, "--overwrite"]) == 0
+  assert load_tokenizer(prefix + ".model").vocab_size == 500
 
 
 def test_missing_tokenizer_file_is_clear():
