@@ -124,3 +124,11 @@ def test_a_run_that_fails_its_checks_leaves_no_run_directory_and_an_existing_one
   failed = run_train_cli(*TINY, "dataset_type=grain", f"base_output_directory={out}", "steps=3")
   assert failed.returncode == 2 and "dataset_type 'synthetic' -> 'grain'" in _errors(failed)[0], failed.stderr[-3000:]
   assert {str(p): p.stat().st_size for p in (tmp_path / "out").rglob("*")} == before
+
+
+def test_the_start_line_says_a_run_is_quantized():
+  from MaxLite.training.start import summarize
+
+  first = lambda *o: summarize(make_config("model_name=tiny", *o)).splitlines()[0]  # noqa: E731
+  assert first("quantization=int8", "use_qwix_quantization=true").endswith(", int8 matmuls (Qwix)")
+  assert "matmuls" not in first()

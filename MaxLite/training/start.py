@@ -41,7 +41,8 @@ def summarize(config: config_lib.Config) -> str:
     model = f"of {loaded}"
   lines = [
     f"model {model}: {config.num_params / 1e6:.2f}M params, {config.base_num_decoder_layers} layers, "
-    f"emb {config.base_emb_dim}, dtype {config.dtype}/{config.weight_dtype}, data {config.dataset_type}",
+    f"emb {config.base_emb_dim}, dtype {config.dtype}/{config.weight_dtype}, data {config.dataset_type}"
+    + (f", {config.quantization} matmuls (Qwix)" if config.quantization else ""),
     f"mesh {mesh}",
   ]
   lines += [f"  {k} = {getattr(config, k)}" for k in _SHOWN_DERIVED]
