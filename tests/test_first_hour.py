@@ -3,6 +3,7 @@ a resume with nothing left to do, the model a loaded checkpoint holds, and no ru
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -132,3 +133,28 @@ def test_the_start_line_says_a_run_is_quantized():
   first = lambda *o: summarize(make_config("model_name=tiny", *o)).splitlines()[0]  # noqa: E731
   assert first("quantization=int8", "use_qwix_quantization=true").endswith(", int8 matmuls (Qwix)")
   assert "matmuls" not in first()
+
+
+def test_a_run_says_it_is_compiling_before_its_first_step(finished):
+  """Step 1 hid 10-19 s of compile on a laptop (minutes on a pod model) with nothing printed: the run says so, once."""
+  err = finished[1].stderr
+  assert err.count("compiling the train step ...") == 1, err[-3000:]
+  assert re.search(r"compiling the train step: \d+\.\d s", err), err[-3000:]
+
+
+def test_the_ticker_counts_the_seconds_of_a_long_silence():
+  import io
+  import time
+
+  from MaxLite.cli import ticker
+
+  out = io.StringIO()
+  with ticker.ticking("compiling", every=0.05, out=out):
+    time.sleep(0.18)
+  lines = out.getvalue().splitlines()
+  assert lines[0] == "compiling ..." and re.fullmatch(r"compiling: 0\.\d s", lines[-1]), lines
+  assert 2 <= sum(line.startswith("... still compiling (") for line in lines) <= 4, lines
+  quiet = io.StringIO()
+  with ticker.ticking("compiling", out=quiet, enabled=False):
+    pass
+  assert quiet.getvalue() == ""

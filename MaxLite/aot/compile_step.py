@@ -18,6 +18,7 @@ from typing import Any
 from MaxLite import config as config_lib
 from MaxLite import storage
 from MaxLite.aot import buffer_report
+from MaxLite.cli import ticker
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import choices
 from MaxLite.parallel import topologies
@@ -313,9 +314,10 @@ def _compile_and_report(
     raw, num_devices=len(devices), num_slices=num_slices, process_count=processes, platform=target.platform
   )
   start = time.perf_counter()
-  lowered, state_bytes = lower_train_step(config, devices)
   try:
-    compiled = lowered.compile()
+    with ticker.ticking(f"compiling the train step for {target.name}"):
+      lowered, state_bytes = lower_train_step(config, devices)
+      compiled = lowered.compile()
   except Exception as e:
     oom = out_of_memory(str(e))
     if oom is None:

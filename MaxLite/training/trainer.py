@@ -19,6 +19,7 @@ from flax.linen import partitioning as nn_partitioning
 from MaxLite import builder, storage
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
+from MaxLite.cli import ticker
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
@@ -125,7 +126,10 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
     step = start_step
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
-      state, metrics = pieces.step(state, next(batches))
+      batch = next(batches)
+      # The first call compiles the step (silent for tens of seconds, minutes for a large model): say so.
+      with ticker.ticking("compiling the train step", enabled=step == start_step + 1 and jax.process_index() == 0):
+        state, metrics = pieces.step(state, batch)
       checkpointer.check()  # a background save that failed stops the run now, naming its step
       log.record(step, metrics)
       if checkpointer.maybe_save(step, state, batches, log):
