@@ -158,3 +158,14 @@ def test_the_ticker_counts_the_seconds_of_a_long_silence():
   with ticker.ticking("compiling", out=quiet, enabled=False):
     pass
   assert quiet.getvalue() == ""
+
+
+def test_a_stopped_run_says_how_to_resume_it_by_its_name():
+  """Without run_name the same command starts a new timestamped run: the hint names the run to resume."""
+  from MaxLite.training.checkpointer import resume_hint
+
+  named = make_config("model_name=tiny", "run_name=mine")
+  assert resume_hint(named) == "run the same command"
+  unnamed = make_config("model_name=tiny")
+  assert resume_hint(unnamed) == f"run the same command with run_name={unnamed.run_name}"
+  assert unnamed.run_name.startswith("maxlite_")

@@ -7,7 +7,6 @@ With checkpointing off the loop gets a NoCheckpointer, which restores nothing an
 from __future__ import annotations
 
 import sys
-
 from typing import Any
 
 import jax
@@ -95,8 +94,8 @@ class Checkpointer:
       self._saves.save(step, saved, batches, self._config, force=must_save)
     if preempted and self._preemption.interrupted:
       print(
-        f"interrupted: saved a checkpoint at step {step} in {self._config.checkpoint_dir}; run the same command "
-        "to resume",
+        f"interrupted: saved a checkpoint at step {step} in {self._config.checkpoint_dir}; "
+        f"{resume_hint(self._config)} to resume",
         file=sys.stderr,
         flush=True,
       )
@@ -126,6 +125,14 @@ class Checkpointer:
     """Waits for the last save. If the run is already failing, that error stays the one reported."""
     self._preemption.close()
     self._saves.close(raise_errors=exc_type is None)
+
+
+def resume_hint(config: Config) -> str:
+  """How to resume this run: the same command, which names the run only when run_name was given (else it would
+  start a new run with a new timestamped name)."""
+  if "run_name" in getattr(config, "explicit_keys", ("run_name",)):
+    return "run the same command"
+  return f"run the same command with run_name={config.run_name}"
 
 
 def make_checkpointer(config: Config, mesh: jax.sharding.Mesh, pieces: Any, guard: Any = None) -> Any:

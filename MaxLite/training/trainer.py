@@ -25,7 +25,7 @@ from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
 from MaxLite.training import ensemble, lora_training
-from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer
+from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer, resume_hint
 from MaxLite.training.evaluation import make_evaluator
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.profiler import Profiler
@@ -155,7 +155,7 @@ def _nothing_to_do(config: Config, step: int) -> str:
 
 
 def _done(config: Config, step: int, rows: list[dict[str, Any]]) -> str:
-  stopped = "" if step == config.steps else f" of {config.steps} (preempted; start it again to continue)"
+  stopped = "" if step == config.steps else f" of {config.steps} (stopped early; {resume_hint(config)} to continue)"
   saved = (
     f"saved to {storage.join(config.checkpoint_dir, str(step))}"
     if config.enable_checkpointing  # the last step and a preempted one are always saved
