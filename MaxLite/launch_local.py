@@ -1,12 +1,13 @@
 r"""Run N train.py processes on this machine, joined by jax.distributed, as a multi-host job would.
 
-Usage:   python MaxLite/launch_local.py [--num_processes=N] [--devices_per_process=M] CONFIG.yml [key=value ...]
-         (or: maxlite-launch-local ...)
+Usage:   python MaxLite/launch_local.py [--num_processes=N] [--devices_per_process=M] [--show_all_processes]
+           CONFIG.yml [key=value ...]      (or: maxlite-launch-local ...)
 Example: python MaxLite/launch_local.py --num_processes=2 --devices_per_process=4 configs/base.yml \
-           ici_fsdp_parallelism=8
+           ici_fsdp_parallelism=8 steps=20
 
-Each process simulates M CPU devices. Logs go to <run_dir>/logs/process_<i>.log and, prefixed with
-[p<i>], to this terminal. If any process fails the others are stopped; the exit code is the worst.
+Each process simulates M CPU devices. Logs go to <run_dir>/logs/process_<i>.log; process 0's also to this terminal,
+prefixed [p0] (every process's with --show_all_processes). If any process fails the others are stopped, its last
+lines are printed, and the exit code is the worst.
 """
 
 from __future__ import annotations

@@ -127,3 +127,18 @@ def test_a_dying_process_is_told_apart_from_a_running_one(tmp_path):
     proc.kill()
     proc.wait()
   assert not local._dying(proc.pid)  # reaped: gone from /proc
+
+
+def test_only_process_0_is_echoed_unless_all_are_asked_for(tmp_path, capfd):
+  """Every process's lines (the same log repeated N times, plus gloo's noise) went to the terminal; now process 0's
+  do, and all of them are still in the log files."""
+  from MaxLite.launch import local
+
+  say = [sys.executable, "-c", "print('hello')"]
+  workers = [local._Worker(i, say, dict(os.environ), str(tmp_path / f"p{i}.log"), echo=i == 0) for i in range(2)]
+  for w in workers:
+    w.proc.wait(timeout=30)
+    w.finish_output()
+  out = capfd.readouterr().out
+  assert "[p0] hello" in out and "[p1]" not in out
+  assert all(open(tmp_path / f"p{i}.log").read() == "hello\n" for i in range(2))

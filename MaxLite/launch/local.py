@@ -1,7 +1,9 @@
 """N train.py processes on this machine, joined by jax.distributed, as a multi-host job would run.
 
-Each process simulates M CPU devices. Logs go to <run_dir>/logs/process_<i>.log and, prefixed with
-[p<i>], to this terminal. If any process fails the others are stopped; the exit code is the worst.
+Each process simulates M CPU devices. Logs go to <run_dir>/logs/process_<i>.log; process 0's lines (the one that
+logs metrics) also go to this terminal prefixed [p0], or every process's with --show_all_processes (the others
+repeat process 0 and add gloo's connection noise). If any process fails the others are stopped, its last lines are
+printed whoever it is, and the exit code is the worst.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ def _die_with_parent() -> None:
 
 
 class _Worker:
-  def __init__(self, index: int, command: list[str], env: dict[str, str], log_path: str):
-    self.index, self.log_path = index, log_path
+  def __init__(self, index: int, command: list[str], env: dict[str, str], log_path: str, echo: bool = True):
+    self.index, self.log_path, self.echo = index, log_path, echo
     self.tail: deque[str] = deque(maxlen=TAIL_LINES)
     self.stopped = False  # the launcher signalled it while it was alive: how it then ended is the launcher's doing
     self.proc = subprocess.Popen(
@@ -97,8 +99,9 @@ class _Worker:
         log.write(line)
         log.flush()
         self.tail.append(line.rstrip("\n"))
-        sys.stdout.write(f"[p{self.index}] {line}")
-        sys.stdout.flush()
+        if self.echo:
+          sys.stdout.write(f"[p{self.index}] {line}")
+          sys.stdout.flush()
 
   def finish_output(self) -> None:
     self._pump.join(timeout=5)
@@ -174,12 +177,21 @@ def _first_cause(workers: list[_Worker], failed: list[_Worker]) -> _Worker:
   )
 
 
-def launch(num_processes: int, devices_per_process: int, train_args: Sequence[str], log_dir: str) -> int:
-  """Start the processes and wait; returns the worst exit code (non-zero as soon as one fails)."""
+def launch(
+  num_processes: int, devices_per_process: int, train_args: Sequence[str], log_dir: str, show_all: bool = False
+) -> int:
+  """Start the processes and wait; returns the worst exit code (non-zero as soon as one fails). Process 0's output
+  goes to the terminal too (every process's with show_all)."""
   os.makedirs(log_dir, exist_ok=True)
   port, env = free_port(), process_env(devices_per_process)
   workers = [
-    _Worker(i, process_command(i, num_processes, port, train_args), env, os.path.join(log_dir, f"process_{i}.log"))
+    _Worker(
+      i,
+      process_command(i, num_processes, port, train_args),
+      env,
+      os.path.join(log_dir, f"process_{i}.log"),
+      echo=show_all or i == 0,
+    )
     for i in range(num_processes)
   ]
   forwarded: list[int] = []
@@ -217,6 +229,9 @@ def run(argv: Sequence[str], doc: str) -> int:
   parser.add_argument("--num_processes", type=int, default=2)
   parser.add_argument("--devices_per_process", type=int, default=4)
   parser.add_argument("--log_dir", default="", help="default: <base_output_directory>/<run_name>/logs")
+  parser.add_argument(
+    "--show_all_processes", action="store_true", help="print every process's lines here, not only process 0's"
+  )
   parser.add_argument("train_args", nargs=argparse.REMAINDER, help="CONFIG.yml [key=value ...] as for train.py")
   args = parser.parse_args(argv)
   if args.num_processes < 1 or args.devices_per_process < 1:
@@ -231,11 +246,11 @@ def run(argv: Sequence[str], doc: str) -> int:
     train_args.append(f"run_name={run_name}")
   log_dir = args.log_dir or storage.join(storage.absolute(raw["base_output_directory"]), run_name, "logs")
   if not storage.is_url(log_dir):
-    return launch(args.num_processes, args.devices_per_process, train_args, log_dir)
+    return launch(args.num_processes, args.devices_per_process, train_args, log_dir, args.show_all_processes)
   # Logs are written as they come, which an object store cannot do: keep them here, copy them up at the end.
   with tempfile.TemporaryDirectory(prefix=f"{run_name}-logs-") as local_logs:
     try:
-      return launch(args.num_processes, args.devices_per_process, train_args, local_logs)
+      return launch(args.num_processes, args.devices_per_process, train_args, local_logs, args.show_all_processes)
     finally:
       for name in sorted(os.listdir(local_logs)):
         with open(os.path.join(local_logs, name), "rb") as f:
