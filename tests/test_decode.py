@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE, REPO, make_config
+from conftest import BASE_YML, FAST_COMPILE, REPO, make_config
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.decode import generate, sample
@@ -211,3 +211,65 @@ def test_the_continuation_keeps_the_space_decoding_it_alone_drops(kind):
   assert tokenizer.encode(whole)[: len(prompt)] == prompt
   bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
   assert prompt_text + continuation_text(tokenizer, bos + prompt, new) == whole
+
+
+CHAT = ("tokenizer_type=huggingface", f"tokenizer_path={os.path.join(REPO, 'assets', 'tokenizer', 'chat')}")
+
+
+@pytest.mark.parametrize(
+  "prompt, messages",
+  [
+    ("What is a list?", [{"role": "user", "content": "What is a list?"}]),
+    (
+      '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, '
+      '{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is a tuple?"}]',
+      None,
+    ),
+  ],
+  ids=["text", "messages"],
+)
+def test_a_chat_prompt_is_what_apply_chat_template_gives(prompt, messages):
+  """decode.py use_chat_template=true: a text prompt is one user turn, a JSON list is the conversation; either is
+  rendered with the assistant's turn opened, token for token as transformers' apply_chat_template."""
+  import json
+
+  from transformers import AutoTokenizer
+
+  from MaxLite.data.chat import ChatTemplate
+  from MaxLite.data.tokenizer import load_tokenizer
+  from MaxLite.inference.generate import chat_prompt_ids
+
+  path = os.path.join(REPO, "assets", "tokenizer", "chat")
+  tokenizer, template = load_tokenizer(path, "huggingface"), ChatTemplate.load(path)
+  reference = AutoTokenizer.from_pretrained(path).apply_chat_template(
+    messages or json.loads(prompt), add_generation_prompt=True, tokenize=True
+  )
+  reference = reference if isinstance(reference, list) else reference["input_ids"]
+  assert chat_prompt_ids(tokenizer, template, prompt) == list(reference)
+
+
+@pytest.mark.parametrize("also", [(), ("use_sft=true",)], ids=["alone", "with_use_sft"])
+def test_decode_with_a_chat_template_prints_the_reply_up_to_the_end_of_turn(monkeypatch, capsys, also):
+  """The template was refused without use_sft/use_dpo and silently not applied with use_sft: now it renders the
+  prompt, generation stops at the chat's end-of-turn token (<|im_end|>) and the reply alone is printed."""
+  from MaxLite.data.tokenizer import load_tokenizer
+  from MaxLite.inference import generate
+
+  tokenizer = load_tokenizer(CHAT[1].split("=", 1)[1], "huggingface")
+  reply = tokenizer.encode("A list holds items in order.")
+  seen = {}
+
+  def fake_generate(config, params, prompts, eos_id=None, return_logits=False):
+    seen["prompts"], seen["eos"] = prompts, eos_id
+    return [reply + [eos_id] for _ in prompts], None
+
+  monkeypatch.setattr(generate, "load_params", lambda config, mesh: None)
+  monkeypatch.setattr(generate, "generate", fake_generate)
+  prompts = " ||| ".join(["What is a list?"] * len(jax.devices()))  # one row per device (pytest sees 8)
+  results = generate.run([BASE_YML, "model_name=tiny", *CHAT, "use_chat_template=true", f"prompt={prompts}", *also])
+  assert results == ["A list holds items in order."] * len(jax.devices())
+  assert capsys.readouterr().out.splitlines()[0] == "[0] A list holds items in order."
+  assert tokenizer.decode(seen["prompts"][0]).endswith("<|im_start|>assistant\n")
+  assert seen["eos"] == tokenizer.encode("<|im_end|>")[0]
+  with pytest.raises(ConfigError, match="use_chat_template=true needs tokenizer_type=huggingface"):
+    generate.run([BASE_YML, "model_name=tiny", "use_chat_template=true"])

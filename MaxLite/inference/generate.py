@@ -7,6 +7,7 @@ the logical rules. `run` is decode.py's body: load the checkpoint's parameters, 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from MaxLite import config as config_lib
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
+from MaxLite.data.chat import ChatTemplate
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
@@ -179,21 +181,59 @@ def _fit_prompts(config: Any, tokenizer: Any, texts: Sequence[str]) -> tuple[lis
   return prompts, shown
 
 
+def chat_messages(prompt: str) -> list[dict[str, str]]:
+  """A decode prompt as chat messages: a JSON list of {"role", "content"} objects as given, any other text as one
+  user turn."""
+  if prompt.lstrip().startswith("["):
+    try:
+      messages = json.loads(prompt)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"prompt starts with '[' but is not a JSON list of messages ({e})") from None
+    if not (
+      isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+    ):
+      raise ConfigError('prompt: a JSON list of messages holds {"role": ..., "content": ...} objects')
+    return messages
+  return [{"role": "user", "content": prompt}]
+
+
+def chat_prompt_ids(tokenizer: Any, template: ChatTemplate, prompt: str) -> list[int]:
+  """The prompt's ids as a chat model reads them: its messages rendered by the template with the assistant's turn
+  opened (apply_chat_template(..., add_generation_prompt=True)); the template writes its own special tokens."""
+  return tokenizer.encode(template.render(chat_messages(prompt), add_generation_prompt=True))
+
+
 def run(argv: Sequence[str]) -> list[str]:
   raw = config_lib.load_raw(argv)
   texts = raw["prompt"].split(PROMPT_SEPARATOR)
   # The batch is the prompts; the mesh splits it like a training batch.
   raw["per_device_batch_size"] = len(texts) / jax.device_count()
+  # A chat template renders the prompts here. Without use_sft/use_dpo the config refuses it (it is about training
+  # data there), so it is taken out of the config; with them (a fine-tuning command reused) the config keeps it.
+  chat = raw["use_chat_template"]
+  if chat and raw["tokenizer_type"] != "huggingface":
+    raise ConfigError(
+      f"use_chat_template=true needs tokenizer_type=huggingface (a tokenizer.json directory with its chat template), "
+      f"got {raw['tokenizer_type']!r}"
+    )
+  if not (raw["use_sft"] or raw["use_dpo"]):
+    raw["use_chat_template"] = False
   config = config_lib.build(raw)
   if config.num_pipeline_stages > 1:
     raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
   check_cache_fits(config)  # before a checkpoint is read
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)
-  eos = tokenizer.eos_id
+  eos = tokenizer.eos_id  # a chat tokenizer's is its end-of-turn token (Qwen's <|im_end|>)
   mesh = create_mesh(config)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
     params = load_params(config, mesh)
-    prompts, texts = _fit_prompts(config, tokenizer, texts)
+    if chat:
+      template = ChatTemplate.load(storage.resolve(config.tokenizer_path), config.chat_template_path)
+      ids = [chat_prompt_ids(tokenizer, template, text) for text in texts]
+      prompts = [fit_prompt(p, config.max_prefill_predict_length, keep_first=False) for p in ids]
+      texts = [""] * len(texts)  # a chat prints the reply alone
+    else:
+      prompts, texts = _fit_prompts(config, tokenizer, texts)
     outputs, _ = generate(config, params, prompts, eos_id=eos if eos >= 0 else None)
   # Ids past the tokenizer's vocabulary (a model's padded embedding rows, e.g. Qwen's) have no text.
   results = [
