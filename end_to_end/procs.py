@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -82,8 +83,20 @@ def metric_rows(metrics_file: str, offset: int = 0) -> list[dict]:
     return [json.loads(line) for line in f if line.endswith("\n")]
 
 
+def resumed_rows(metrics_file: str, log_path: str) -> list[dict]:
+  """The rows a resumed run wrote: those after the step its log says it resumed from (the last such line). A resume
+  drops the rows the stopped run wrote after that step, so the file must hold each step's row once, in order."""
+  with open(log_path, encoding="utf-8", errors="replace") as f:
+    restored = re.findall(r"resumed (?:the adapters )?from checkpoint at step (\d+)", f.read())
+  assert restored, f"{log_path}: the run did not resume from a checkpoint"
+  rows = metric_rows(metrics_file)
+  steps = [r["step"] for r in rows if "loss" in r]
+  assert steps == sorted(set(steps)), f"{metrics_file}: a step logged twice or out of order: {steps}"
+  return [r for r in rows if r["step"] > int(restored[-1])]
+
+
 def losses(rows: list[dict]) -> dict[int, float]:
-  """{step: loss}; a step logged twice (before a kill and after resume) keeps its last value."""
+  """{step: loss} of the training rows (a step in the rows twice keeps its last value)."""
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 

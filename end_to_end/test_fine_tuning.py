@@ -50,9 +50,8 @@ def _killed_and_resumed(tmp_path, args, run_name, kill_after):
   proc = procs.start(command, log, devices=8)
   procs.wait_for_step(proc, metrics, kill_after, log)
   procs.kill_group(proc, signal.SIGKILL)
-  killed_at = os.path.getsize(metrics)
   assert procs.run(command, log, devices=8) == 0, procs.tail(log)
-  resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
+  resumed = procs.losses(procs.resumed_rows(metrics, log))
   assert min(resumed) <= kill_after + 1 and max(resumed) == 6
   return resumed
 

@@ -29,17 +29,16 @@ def _run_losses(tmp_path, overrides, run_name, devices=1):
 
 
 def _killed_and_run_again(tmp_path, args, checkpoint_period, kill_after):
-  """Run "b" on 8 devices, SIGKILL it once step `kill_after` is logged, run the same command to the end: (its
-  metrics.jsonl, the offset where the rerun's rows begin)."""
+  """Run "b" on 8 devices, SIGKILL it once step `kill_after` is logged, run the same command to the end: the rows the
+  rerun wrote (procs.resumed_rows: each step's row is in metrics.jsonl once)."""
   saving = ("enable_checkpointing=true", f"checkpoint_period={checkpoint_period}")
   command = procs.train_command(*args, "run_name=b", *saving)
   metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
   proc = procs.start(command, log, devices=8)
   procs.wait_for_step(proc, metrics, kill_after, log)
   procs.kill_group(proc, signal.SIGKILL)
-  killed_at = os.path.getsize(metrics)
   assert procs.run(command, log, devices=8) == 0, procs.tail(log)
-  return metrics, killed_at
+  return procs.resumed_rows(metrics, log)
 
 
 def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
@@ -54,8 +53,7 @@ def test_sigkill_after_step_9_resumes_bit_for_bit(tmp_path):
     f"base_output_directory={tmp_path}",
   )
   straight = _run_losses(tmp_path, args, "a", devices=8)
-  metrics, killed_at = _killed_and_run_again(tmp_path, args, checkpoint_period=4, kill_after=9)
-  resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
+  resumed = procs.losses(_killed_and_run_again(tmp_path, args, checkpoint_period=4, kill_after=9))
   assert min(resumed) <= 9 and max(resumed) == 12
   assert {s: resumed[s] for s in range(9, 13)} == {s: straight[s] for s in range(9, 13)}  # bit for bit
 
@@ -77,14 +75,12 @@ def test_sigkill_of_an_ensemble_resumes_every_member_bit_for_bit(tmp_path):
     f"base_output_directory={tmp_path}",
   )
 
-  def members(metrics, offset=0):
-    rows = [r for r in procs.metric_rows(metrics, offset) if "loss" in r]
-    return {r["step"]: [r[f"loss/member_{i}"] for i in range(4)] for r in rows}
+  def members(rows):
+    return {r["step"]: [r[f"loss/member_{i}"] for i in range(4)] for r in rows if "loss" in r}
 
   assert procs.run(procs.train_command(*args, "run_name=a"), str(tmp_path / "a.log"), devices=8) == 0
-  straight = members(str(tmp_path / "a" / "metrics.jsonl"))
-  metrics, killed_at = _killed_and_run_again(tmp_path, args, checkpoint_period=3, kill_after=5)
-  resumed = members(metrics, killed_at)
+  straight = members(procs.metric_rows(str(tmp_path / "a" / "metrics.jsonl")))
+  resumed = members(_killed_and_run_again(tmp_path, args, checkpoint_period=3, kill_after=5))
   assert min(resumed) <= 5 and max(resumed) == 8
   assert resumed == {s: straight[s] for s in resumed}  # bit for bit, member by member
   assert len({tuple(v) for v in straight.values()}) == len(straight) and len(set(straight[1])) == 4

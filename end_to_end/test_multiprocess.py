@@ -77,19 +77,18 @@ def killed(shared):
   return {"run_dir": base / "b", "copy": shared / "killed_copy", "command": command, "log": log}
 
 
-def _as_killed(killed) -> tuple[str, int]:
-  """Puts the killed run directory back as the kill left it; (its metrics file, that file's size then)."""
+def _as_killed(killed) -> str:
+  """Puts the killed run directory back as the kill left it; its metrics file."""
   shutil.rmtree(killed["run_dir"])
   shutil.copytree(killed["copy"], killed["run_dir"], symlinks=True)
-  metrics = str(killed["run_dir"] / "metrics.jsonl")
-  return metrics, os.path.getsize(metrics)
+  return str(killed["run_dir"] / "metrics.jsonl")
 
 
 def test_two_processes_killed_and_resumed_match_uninterrupted_run(straight, killed):
   log = killed["log"]
-  metrics, killed_at = _as_killed(killed)
+  metrics = _as_killed(killed)
   assert procs.run(killed["command"], log) == 0, procs.tail(log)
-  resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
+  resumed = procs.losses(procs.resumed_rows(metrics, log))
   assert max(resumed) == 8 and min(resumed) <= 6
   assert resumed == {s: straight[s] for s in resumed}  # bit for bit
   assert sorted(os.listdir(killed["run_dir"] / "checkpoints" / "8" / "data_iter")) == [
@@ -198,11 +197,11 @@ def test_grain_data_is_the_same_on_any_process_layout_and_resumes_on_another(tmp
   np.testing.assert_allclose([four[s] for s in one], list(one.values()), rtol=1e-5)
 
   # The killed 2 x 4 run, resumed as 1 process x 8 devices on another mesh.
-  metrics, killed_at = _as_killed(killed)
+  metrics = _as_killed(killed)
   checkpointed = (*CHECKPOINTED, f"base_output_directory={killed['run_dir'].parent}")
   other_mesh = procs.train_command(*checkpointed, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
   assert procs.run(other_mesh, log, devices=8) == 0, procs.tail(log)
-  resumed = procs.losses(procs.metric_rows(metrics, offset=killed_at))
+  resumed = procs.losses(procs.resumed_rows(metrics, log))
   assert resumed and min(resumed) in (4, 7) and max(resumed) == 8
   np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [one[s] for s in sorted(resumed)], rtol=1e-5)
 

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 from conftest import first_devices, make_config
-from test_hf_interop import maxlite_config, maxlite_logits, maxlite_params, token_ids
+from test_hf_interop import check_both_rope_forms, maxlite_config, maxlite_logits, maxlite_params, token_ids
 from test_parallelism import _losses, _run
 
 from MaxLite.checkpoint import hf as convert_hf
@@ -234,3 +234,96 @@ def test_deepseek_layouts_match_single_device(tmp_path, deepseek_reference, mesh
   losses, grad_norms = _losses(_run(tmp_path, 8, *DEEPSEEK, "per_device_batch_size=1", *mesh))
   np.testing.assert_allclose(losses, deepseek_reference[0], rtol=1e-5)
   np.testing.assert_allclose(grad_norms, deepseek_reference[1], rtol=1e-5)
+
+
+# Every way transformers 5.23 accepts YaRN's scales (modeling_rope_utils._compute_yarn_parameters for cos/sin,
+# DeepseekV3Attention's yarn_apply_mscale for the softmax): mscale alone changes nothing there, mscale_all_dim alone
+# scales only the softmax, the two together scale cos/sin by their ratio, attention_factor overrides that ratio.
+MSCALES = {
+  "none": {},
+  "only_mscale": dict(mscale=0.707),
+  "only_mscale_all_dim": dict(mscale_all_dim=0.707),
+  "both_equal": dict(mscale=0.707, mscale_all_dim=0.707),
+  "both_different": dict(mscale=1.0, mscale_all_dim=0.4),
+  "attention_factor": dict(attention_factor=1.3, mscale=1.0, mscale_all_dim=0.707),
+}
+
+
+@pytest.mark.parametrize("factor", [4.0, 40.0])
+@pytest.mark.parametrize("mscales", list(MSCALES))
+def test_yarn_mscales_import_and_export_as_transformers_computes_them(tmp_path, mscales, factor):
+  """The logits of transformers' model, of MaxLite's import of it, and of transformers' reload of MaxLite's export."""
+  rope = dict(YARN, factor=factor, **MSCALES[mscales])
+  for key in ("mscale", "mscale_all_dim"):
+    if key not in MSCALES[mscales]:
+      del rope[key]
+  context = int(factor * rope["original_max_position_embeddings"])
+  model, path = hf_deepseek(
+    tmp_path, q_lora_rank=None, num_hidden_layers=2, rope_parameters=rope, max_position_embeddings=context
+  )
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  config = maxlite_config(step_dir, "sparse_matmul=false")
+  ids = token_ids(model.config.vocab_size)
+  with torch.no_grad():
+    expected = model(torch.tensor(ids)).logits.numpy()
+  diff = np.abs(maxlite_logits(config, maxlite_params(config, step_dir), ids) - expected).max()
+  print(f"yarn {mscales} factor {factor}: max abs logit difference {diff:.2e}")
+  assert diff <= 2e-5
+
+  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
+  with torch.no_grad():
+    again = reloaded(torch.tensor(ids)).logits.numpy()
+  assert np.abs(again - expected).max() <= 1e-6
+
+
+@pytest.mark.parametrize("factor", [4, 40])
+@pytest.mark.parametrize(
+  "mscale, attention_factor", [(0.0, -1.0), (0.707, -1.0), (0.0, 1.0), (0.707, 1.3), (1.0, 0.9), (0.0, 1.2)]
+)
+def test_maxlite_yarn_exports_the_scales_it_computes(factor, mscale, attention_factor):
+  """A MaxLite config (mscale 0 included, which exported as 'no mscale' before) written out by to_hf: transformers 5
+  computes MaxLite's frequencies, cos/sin factor and softmax scale from it, and 4.x reads the same."""
+  from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+  from MaxLite import models
+  from MaxLite.layers.mla import mla_query_scale
+  from MaxLite.layers.rope import rope_frequencies
+
+  config = make_config(
+    "model_name=tiny-deepseek",
+    "rope_type=yarn",
+    f"rope_factor={factor}",
+    "original_max_position_embeddings=16",
+    f"mscale={mscale}",
+    *([f"rope_attention_factor={attention_factor}"] if attention_factor != -1 else []),
+  )
+  hf = models.family("deepseek").hf.config(config)
+  check_both_rope_forms(hf, config)
+  hf_config = transformers.DeepseekV3Config(**hf)
+  rotary = DeepseekV3RotaryEmbedding(hf_config)
+  frequencies, cos_sin = rope_frequencies(config, config.qk_rope_head_dim)
+  np.testing.assert_allclose(frequencies, rotary.inv_freq.numpy(), rtol=2.5e-7, atol=0)
+  assert cos_sin == pytest.approx(rotary.attention_scaling, rel=1e-12)
+  head = config.qk_nope_head_dim + config.qk_rope_head_dim
+  assert mla_query_scale(config) == pytest.approx(yarn_apply_mscale(hf_config.rope_parameters, head**-0.5), rel=1e-12)
+
+
+def test_a_model_run_with_mscale_0_exports_what_it_computes(tmp_path):
+  """mscale=0 (no softmax factor) on a converted YaRN model: transformers' reload of the export gives MaxLite's
+  logits (the export said 'no mscale', which transformers reads as cos/sin times 0.1 ln(factor) + 1)."""
+  model, path = hf_deepseek(
+    tmp_path, q_lora_rank=None, num_hidden_layers=2, rope_parameters=dict(YARN), max_position_embeddings=64
+  )
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  config = maxlite_config(step_dir, "sparse_matmul=false", "mscale=0")
+  ids = token_ids(model.config.vocab_size)
+  ours = maxlite_logits(config, maxlite_params(config, step_dir), ids)
+  convert_hf.to_hf(step_dir, str(tmp_path / "back"), ["mscale=0"])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
+  with torch.no_grad():
+    theirs = reloaded(torch.tensor(ids)).logits.numpy()
+  with torch.no_grad():
+    original = model(torch.tensor(ids)).logits.numpy()
+  assert np.abs(ours - original).max() > 2e-4  # mscale=0 is another model, visibly
+  assert np.abs(ours - theirs).max() <= 2e-5

@@ -5,6 +5,7 @@ bad keys are one line."""
 import json
 import os
 
+import flax.linen as nn
 import numpy as np
 import pytest
 from conftest import first_devices, make_config, run_train_cli
@@ -198,6 +199,119 @@ def test_one_member_decodes_and_exports(tmp_path):
   assert lone.keys() == member.keys()
   for name in lone:
     np.testing.assert_allclose(member[name], lone[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_ensemble_eval_loss_is_that_of_the_averaged_probabilities():
+  """eval_ensemble_loss against numpy: per real token, log of the mean over K=3 members of each member's probability
+  of the target (members scaled apart so the mean of probabilities is far from the mean of log-probabilities), masked
+  mean over a batch with padding and two documents in a row; the per-member losses too."""
+  import jax
+  import jax.numpy as jnp
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite.layers.decoder import Transformer
+  from MaxLite.parallel import sharding
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import ensemble
+
+  k, rows, seq = 3, 2, 16
+  config = make_config(*RUN, f"ensemble_size={k}", f"max_target_length={seq}")
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, config.vocab_size, (rows, seq + 1)).astype(np.int32)
+  segments = np.ones((rows, seq), np.int32)
+  segments[0, 9:] = 2  # a second document
+  segments[1, 11:] = 0  # padding
+  positions = np.concatenate([np.arange(9), np.arange(seq - 9)])[None].repeat(rows, 0).astype(np.int32)
+  positions[1, 11:] = 0
+  batch = {
+    "inputs": jnp.asarray(tokens[:, :-1] * (segments != 0)),
+    "targets": jnp.asarray(tokens[:, 1:] * (segments != 0)),
+    "inputs_position": jnp.asarray(positions),
+    "inputs_segmentation": jnp.asarray(segments),
+    "targets_segmentation": jnp.asarray(segments),
+  }
+  model = Transformer(config)
+  members = []
+  for i in range(k):
+    params = model.init(jax.random.key(i), batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    scale = (1.0, 6.0, 20.0)[i]  # sharper and sharper predictions, each member its own
+    members.append(jax.tree.map(lambda w, s=scale: w * s, nn.unbox(params["params"])))
+
+  # numpy, float64: each member's log-probabilities of the targets, then log(mean_i p_i) per real token.
+  log_p = []
+  for params in members:
+    logits = np.asarray(
+      model.apply({"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]),
+      np.float64,
+    )
+    logits -= logits.max(-1, keepdims=True)
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    log_p.append(np.take_along_axis(log_softmax, np.asarray(batch["targets"])[..., None], -1)[..., 0])
+  log_p = np.stack(log_p)  # [k, rows, seq]
+  real = segments != 0
+  expected = -np.log(np.exp(log_p).mean(0))[real].mean()
+  expected_members = [-m[real].mean() for m in log_p]
+  # The members differ: averaging their probabilities is not averaging their log-probabilities.
+  assert expected < np.mean(expected_members) - 0.05
+
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
+    stacked = jax.tree.map(lambda *w: jnp.stack(w), *members)
+    totals = ensemble.eval_sums(stacked, batch, apply_fn=model.apply, config=config)
+  got = ensemble.eval_metrics(jax.device_get(totals))
+  np.testing.assert_allclose(got["eval_ensemble_loss"], expected, rtol=1e-5)
+  np.testing.assert_allclose([got[f"eval_loss/member_{i}"] for i in range(k)], expected_members, rtol=1e-5)
+  np.testing.assert_allclose(got["eval_loss"], np.mean(expected_members), rtol=1e-5)
+
+
+def _bytes_read() -> int:
+  """Bytes this process has read through system calls so far (Linux), page cache hits included."""
+  with open("/proc/self/io") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through Linux's /proc/self/io")
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")  # the whole stack, compared on host
+def test_one_member_is_read_alone(tmp_path):
+  """Decoding or exporting member 2 of four saved split over the ensemble axis reads that member's bytes (not the
+  four members') and returns exactly its slice of the stacked parameters."""
+  import jax
+  import orbax.checkpoint as ocp
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite import builder
+  from MaxLite.checkpoint import lora_steps
+  from MaxLite.checkpoint import manager as checkpointing
+  from MaxLite.parallel import sharding
+  from MaxLite.parallel.mesh import create_mesh
+
+  _train(
+    tmp_path,
+    "ens4",
+    "ensemble_size=4",
+    "ici_ensemble_parallelism=4",
+    "enable_checkpointing=true",
+    "steps=1",
+    "per_device_batch_size=1",
+    num_devices=4,
+  )
+  step = str(tmp_path / "ens4" / "checkpoints" / "1")
+  config = make_config(*RUN, f"load_parameters_path={step}", "ensemble_member=2")
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
+    params = builder.parameters(config, mesh, stored=False)
+    target = checkpointing.sharded_target(params.abstract, params.shardings)
+    member_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(target))
+    before = _bytes_read()
+    loaded = lora_steps.load_params(step, target, 2)
+    read = _bytes_read() - before
+  assert read < 1.5 * member_bytes, (read, member_bytes)  # was 4x: every member read and held
+
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    every = checkpointer.restore(str(tmp_path / "ens4" / "checkpoints" / "1" / "state"))["params"]
+  for got, stacked in zip(jax.tree.leaves(loaded), jax.tree.leaves(every)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(stacked)[2])
+  assert all(a.sharding == t.sharding for a, t in zip(jax.tree.leaves(loaded), jax.tree.leaves(target)))
 
 
 @pytest.mark.parametrize(

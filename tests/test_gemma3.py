@@ -194,3 +194,19 @@ def test_splash_runs_the_local_kernel_in_local_layers_and_the_global_one_in_glob
     params = model.init(jax.random.key(0), ids, pos, seg)
     logits[kernel] = np.asarray(jax.jit(model.apply)(params, ids, pos, seg))
   np.testing.assert_allclose(logits["splash"], logits["dot_product"], atol=2e-5)
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [(), ("rope_linear_scaling_factor=8", "rope_max_timescale=1000000", "local_rope_max_timescale=10000")],
+  ids=["1b_like", "4b_like"],
+)
+def test_exported_gemma3_rope_reads_the_same_in_transformers_4_and_5(overrides):
+  """transformers 4.x and vLLM read rope_theta, rope_local_base_freq and rope_scaling: without them the x8 linear
+  scaling of the global layers would be dropped."""
+  from test_hf_interop import check_both_rope_forms
+
+  from MaxLite import models
+
+  config = make_config("model_name=tiny-gemma3", *overrides)
+  check_both_rope_forms(models.family("gemma3").hf.config(config), config)

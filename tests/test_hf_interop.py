@@ -1,11 +1,14 @@
 """Hugging Face Llama <-> MaxLite: logit parity with transformers, exact round trips, clear bad-input errors."""
 
+import copy
 import json
+import math
 import os
 import shutil
 import struct
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -77,6 +80,109 @@ def token_ids(vocab, batch=2):
 def maxlite_logits(config, params, ids):
   pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
   return np.asarray(Transformer(config).apply({"params": params}, ids, pos, np.ones_like(ids)))
+
+
+def transformers4_rope(hf):
+  """RoPE as transformers 4.x and vLLM read config.json: rope_theta, rope_scaling (rope_type, or type) and Gemma 3's
+  rope_local_base_freq; they never read transformers 5's rope_parameters. YaRN's cos/sin factor and DeepSeek's
+  softmax factor by 4.x's rules (an attention_factor, else the mscale / mscale_all_dim ratio when both are set)."""
+  scaling = hf.get("rope_scaling") or {}
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  out = {"theta": float(hf.get("rope_theta", 10000.0)), "type": kind}
+  if "rope_local_base_freq" in hf:
+    out["local_theta"] = float(hf["rope_local_base_freq"])
+  if kind == "default":
+    return out
+  factor = float(scaling["factor"])
+  out["factor"] = factor
+  if kind == "llama3":
+    out.update(
+      low=float(scaling["low_freq_factor"]),
+      high=float(scaling["high_freq_factor"]),
+      original=int(scaling["original_max_position_embeddings"]),
+    )
+  elif kind == "yarn":
+    get_mscale = lambda m=1.0: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    cos_sin = scaling.get("attention_factor")
+    if cos_sin is None:
+      cos_sin = get_mscale(mscale) / get_mscale(all_dim) if mscale and all_dim else get_mscale()
+    out.update(
+      original=int(scaling["original_max_position_embeddings"]),
+      beta_fast=float(scaling.get("beta_fast") or 32),
+      beta_slow=float(scaling.get("beta_slow") or 1),
+      truncate=bool(scaling.get("truncate", True)),
+      cos_sin=float(cos_sin),
+    )
+    if hf["model_type"] == "deepseek_v3":
+      out["softmax"] = get_mscale(all_dim) ** 2 if all_dim else 1.0
+  elif kind != "linear":
+    raise ValueError(f"rope type {kind} is not read here")
+  return out
+
+
+def maxlite_rope(config):
+  """transformers4_rope's quantities from a MaxLite config: what MaxLite computes."""
+  from MaxLite.layers.mla import mla_query_scale
+  from MaxLite.layers.rope import rope_frequencies
+
+  kind = {"default": "default", "llama3.1": "llama3", "yarn": "yarn"}[config.rope_type]
+  if config.rope_linear_scaling_factor != 1.0:
+    kind = "linear"
+  out = {"theta": float(config.rope_max_timescale), "type": kind}
+  if config.decoder_block == "gemma3":
+    local = config.local_rope_max_timescale
+    out["local_theta"] = float(local if local > 0 else config.rope_max_timescale)
+  if kind == "linear":
+    out["factor"] = float(config.rope_linear_scaling_factor)
+  elif kind == "llama3":
+    out.update(
+      factor=float(config.rope_factor),
+      low=float(config.rope_low_freq_factor),
+      high=float(config.rope_high_freq_factor),
+      original=int(config.original_max_position_embeddings),
+    )
+  elif kind == "yarn":
+    out.update(
+      factor=float(config.rope_factor),
+      original=int(config.original_max_position_embeddings),
+      beta_fast=float(config.beta_fast),
+      beta_slow=float(config.beta_slow),
+      truncate=bool(config.rope_truncate),
+      cos_sin=rope_frequencies(config)[1],
+    )
+    if config.attention_type == "mla":
+      out["softmax"] = mla_query_scale(config) * (config.qk_nope_head_dim + config.qk_rope_head_dim) ** 0.5
+  return out
+
+
+def check_both_rope_forms(hf, config):
+  """An exported config.json carries MaxLite's RoPE in transformers 5's rope_parameters and in the keys transformers
+  4.x and vLLM read, and transformers 5 reads the same from either form alone."""
+  assert hf.get("rope_parameters"), "no rope_parameters"
+  assert "rope_theta" in hf and "rope_scaling" in hf, "no rope_theta / rope_scaling"
+  assert transformers4_rope(hf) == pytest.approx(maxlite_rope(config), rel=1e-12)
+  legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
+  current = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq")}
+  standardized = lambda d: transformers.AutoConfig.for_model(**copy.deepcopy(d)).rope_parameters
+  assert standardized(legacy) == standardized(current)
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    ("model_name=tiny",),
+    ("model_name=llama3.1-8b",),
+    ("model_name=qwen3-8b", "rope_type=yarn", "rope_factor=4", "original_max_position_embeddings=32768"),
+    ("model_name=tiny", "rope_type=yarn", "rope_factor=40", "original_max_position_embeddings=64"),
+  ],
+  ids=["default", "llama3.1", "qwen3_yarn", "yarn40"],
+)
+def test_exported_rope_reads_the_same_in_transformers_4_and_5(overrides):
+  from MaxLite import models
+
+  config = make_config(*overrides)
+  check_both_rope_forms(models.family(config.decoder_block).hf.config(config), config)
 
 
 @pytest.mark.parametrize("scan_layers", ["true", "false"])
@@ -175,6 +281,107 @@ def export_gives_maxlite_logits(step_dir, output_path):
   params = maxlite_params(loaded, step_dir)
   assert np.abs(maxlite_logits(loaded, params, ids) - expected).max() <= 1e-4
   return model, loaded, params
+
+
+TOKENIZERS = {
+  "sentencepiece": os.path.join(os.path.dirname(BASE_YML), "..", "assets", "tokenizer", "maxlite_sp8k.model"),
+  "huggingface": os.path.join(os.path.dirname(BASE_YML), "..", "assets", "tokenizer", "chat"),
+}
+# Where a Llama sentencepiece tokenizer converted by transformers parts from sentencepiece: leading and repeated
+# spaces (the dummy prefix), tabs and newlines, digits, bytes outside the vocabulary, the literal "▁".
+AWKWARD_TEXTS = [
+  "Hello world",
+  " leading space",
+  "  two  spaces, trailing ",
+  "tabs\tand\nnew lines\n\n  indented(x) ** 2",
+  "digits 1234567 and 3.14159",
+  "naïve café, 東京, emoji 🙂 \u200b",
+  "a literal ▁ and ▁▁two",
+  "",
+]
+
+
+@pytest.mark.parametrize("kind", list(TOKENIZERS))
+def test_export_carries_a_tokenizer_autotokenizer_reads_as_maxlite_encodes(tmp_path, monkeypatch, kind):
+  """AutoTokenizer.from_pretrained(the export), offline: MaxLite's ids for every text, BOS as add_bos adds it, and
+  decode gives the text back as MaxLite's does."""
+  from MaxLite.data.tokenizer import load_tokenizer
+
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  ours = load_tokenizer(TOKENIZERS[kind], kind)
+  _, path = hf_model(tmp_path, vocab_size=ours.vocab_size, num_hidden_layers=1)
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  export = str(tmp_path / "export")
+  files = convert_hf.to_hf(step_dir, export, [f"tokenizer_type={kind}", f"tokenizer_path={TOKENIZERS[kind]}"])
+  assert "tokenizer.json" in files and "tokenizer_config.json" in files
+  theirs = transformers.AutoTokenizer.from_pretrained(export, local_files_only=True)
+  assert (theirs.bos_token_id, theirs.eos_token_id) == tuple(i if i >= 0 else None for i in (ours.bos_id, ours.eos_id))
+  for text in AWKWARD_TEXTS:
+    ids = ours.encode(text)
+    assert theirs.encode(text, add_special_tokens=False) == ids, text
+    assert theirs.decode(ids) == ours.decode(ids), text
+  if kind == "sentencepiece":  # add_bos (true): MaxLite's training documents begin with BOS, so do its prompts
+    assert theirs("two  words").input_ids == [ours.bos_id, *ours.encode("two  words")]
+    assert "tokenizer.model" in files  # for sentencepiece readers (llama.cpp, vLLM's slow path)
+
+
+@pytest.mark.parametrize("kind", ["maxlite_unigram", "sentencepiece_defaults"])
+def test_other_sentencepiece_models_export_as_they_encode(tmp_path, monkeypatch, kind):
+  """A Unigram model from MaxLite's train_tokenizer, and a BPE with sentencepiece's own defaults (NFKC rules, extra
+  whitespace removed, no byte fallback): AutoTokenizer on the written files gives sentencepiece's ids."""
+  import sentencepiece as spm
+
+  from MaxLite.checkpoint.tokenizer_export import write_tokenizer
+  from MaxLite.data.tokenizer_training import sentences, train_tokenizer
+
+  corpus = os.path.join(os.path.dirname(BASE_YML), "..", "assets", "corpus", "train-00000-of-00004.array_record")
+  prefix = str(tmp_path / "sp")
+  if kind == "maxlite_unigram":
+    model = train_tokenizer(corpus, prefix, 600, model_type="unigram", input_sentence_size=3000, num_threads=1)
+  else:
+    lines = sentences([corpus], "text")
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=lines, model_prefix=prefix, vocab_size=600, input_sentence_size=3000, minloglevel=2
+    )
+    model = prefix + ".model"
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  config = types.SimpleNamespace(tokenizer_type="sentencepiece", tokenizer_path=model, add_bos=True)
+  os.makedirs(tmp_path / "export")
+  assert "tokenizer.json" in write_tokenizer(config, str(tmp_path / "export"))
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"), local_files_only=True)
+  ours = spm.SentencePieceProcessor(model_file=model)
+  for text in AWKWARD_TEXTS + ["Ｆｕｌｌ width ½ ﬁ e\u0301 <0x41>"]:
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text), text
+
+
+def test_a_tokenizer_json_that_would_encode_differently_is_not_written(tmp_path, monkeypatch, caplog):
+  """The built tokenizer.json is checked against sentencepiece first: one that lost the dummy prefix is refused."""
+  from tokenizers import normalizers
+
+  from MaxLite.checkpoint import tokenizer_export
+
+  build = tokenizer_export.tokenizers_from_sentencepiece
+
+  def without_prefix(proto):
+    built = build(proto)
+    built.normalizer = normalizers.Replace(" ", "▁")
+    return built
+
+  monkeypatch.setattr(tokenizer_export, "tokenizers_from_sentencepiece", without_prefix)
+  sentencepiece = TOKENIZERS["sentencepiece"]
+  config = types.SimpleNamespace(tokenizer_type="sentencepiece", tokenizer_path=sentencepiece, add_bos=True)
+  os.makedirs(tmp_path / "export")
+  assert tokenizer_export.write_tokenizer(config, str(tmp_path / "export")) == ["tokenizer.model"]
+  assert "encodes 'Hello world' differently from sentencepiece" in caplog.text
+  assert sorted(os.listdir(tmp_path / "export")) == ["tokenizer.model"]
+
+
+def test_export_with_a_tokenizer_that_is_not_the_models_writes_none(tmp_path):
+  """No tokenizer_path and the shipped one does not fit the model: no tokenizer files rather than someone else's."""
+  _, path = hf_model(tmp_path, num_hidden_layers=1)  # vocab 384
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  files = convert_hf.to_hf(step_dir, str(tmp_path / "export"), [])
+  assert not [f for f in files if f.startswith("tokenizer")], files
 
 
 @pytest.mark.slow

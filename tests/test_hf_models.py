@@ -24,6 +24,12 @@ VARIANTS = {
   "qwen2.5": ("Qwen2", dict(num_key_value_heads=1), dict(rope_type="default")),
   "qwen3_tied": ("Qwen3", dict(head_dim=24, tie_word_embeddings=True), dict(rope_type="default")),
   "qwen3_yarn": ("Qwen3", dict(head_dim=32), dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=12)),
+  # cos/sin by the mscale / mscale_all_dim ratio (transformers' rule for any YaRN model), the softmax untouched
+  "llama_yarn_mscales": (
+    "Llama",
+    dict(),
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.4),
+  ),
   "qwen3_moe": (
     "Qwen3Moe",
     dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
@@ -217,7 +223,6 @@ def test_shipped_model_configs_hold_the_published_config_json_values(model_name)
   [
     ({"architectures": ["Gemma2ForCausalLM"]}, "architecture 'Gemma2ForCausalLM' is not supported"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling.rope_type='longrope' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7}}, "rope_scaling.mscale is not supported"),
     ({"attention_bias": True}, "attention_bias=true is not supported for LlamaForCausalLM"),
     ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor is not supported"),

@@ -228,6 +228,7 @@ def test_bad_lora_settings_are_one_line(overrides, fragment):
   [
     ("tiny", "decoder/nothing/here", "lora_module_path='decoder/nothing/here' matches no projection"),
     ("tiny-moe", ".*(moe|self_attention).*", "puts adapters on the routed experts (decoder/layers/moe/gate)"),
+    ("tiny-deepseek", "decoder/moe_layers/.*", "puts adapters on the routed experts (decoder/moe_layers/moe/gate)"),
   ],
 )
 def test_a_module_path_that_matches_nothing_or_routed_experts_is_one_line(model, path, fragment):
@@ -240,7 +241,128 @@ def test_a_module_path_that_matches_nothing_or_routed_experts_is_one_line(model,
   assert "\n" not in str(caught.value)
 
 
+def test_deepseek_lora_adapts_attention_and_shared_experts_and_a_step_keeps_the_frozen_routing_bias(capsys):
+  """DeepSeek's MoE layers live under decoder/moe_layers: the default lora_module_path adapts their attention and
+  shared experts (a path containing "moe" is not a routed expert; only the MoE block's own modules are). One step
+  with routed_bias_update_rate > 0 (tiny-deepseek's 0.001) trains the adapters and returns the whole base, routing
+  bias included, bit for bit: the bias is part of the frozen base, which a LoRA checkpoint does not hold."""
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite import builder
+  from MaxLite.data import BATCH_KEYS
+  from MaxLite.parallel import sharding as sharding_lib
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training.trainer import initial_state
+
+  config = make_config(
+    *COMMON,
+    "model_name=tiny-deepseek",
+    "max_target_length=32",
+    "per_device_batch_size=2",
+    "dataset_type=synthetic",
+    *LORA,
+  )
+  assert config.routed_bias_update_rate > 0
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    pieces = builder.training(config, mesh)
+    state, _ = initial_state(config, pieces)
+    before = jax.tree.map(np.asarray, (state.frozen, state.params))
+    ids = np.random.default_rng(0).integers(1, 8192, (2, 32)).astype(np.int32)
+    batch = {k: ids if "segmentation" not in k and "position" not in k else np.ones_like(ids) for k in BATCH_KEYS}
+    batch["inputs_position"] = np.broadcast_to(np.arange(32, dtype=np.int32), ids.shape).copy()
+    new, metrics = pieces.step(state, batch)
+    after = jax.tree.map(np.asarray, (new.frozen, new.params))
+  from MaxLite.layers import lora
+
+  modules = lora.adapted_modules(after[1])
+  for module in ("moe_layers/self_attention/wq_b", "moe_layers/shared_experts/wo", "dense_layers/mlp/wi_0"):
+    assert f"decoder/{module}" in modules, modules
+  assert not [m for m in modules if "/moe/" in f"{m}/"]
+  jax.tree.map(np.testing.assert_array_equal, after[0], before[0])
+  assert "score_correction_bias" in after[0]["decoder"]["moe_layers"]["moe"]
+  moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(after[1]), jax.tree.leaves(before[1]))]
+  assert all(m > 0 for m in moved) and np.isfinite(float(metrics["loss"]))
+  assert (
+    "the base is frozen, its routing bias too (routed_bias_update_rate is for full training)" in capsys.readouterr().out
+  )
+
+
 QLORA = ("lora_weight_qtype=nf4", "lora_tile_size=16")
+
+
+@pytest.mark.parametrize(
+  "model, overrides, fragment",
+  [
+    (
+      "tiny",
+      ("lora_tile_size=64",),
+      "lora_tile_size=64 must divide head_dim=16, the dimension decoder/layers/self_attention/out contracts",
+    ),
+    (
+      "tiny",
+      ("lora_tile_size=128", "scan_layers=false", "lora_module_path=decoder/layers_1/mlp/wo"),
+      "lora_tile_size=128 must divide base_mlp_dim=192, the dimension decoder/layers_1/mlp/wo contracts",
+    ),
+    (
+      "tiny-deepseek",
+      ("lora_tile_size=32", "lora_module_path=.*wkv_b"),
+      "lora_tile_size=32 must divide kv_lora_rank=16, the dimension decoder/dense_layers/self_attention/wkv_b",
+    ),
+    (
+      "tiny-deepseek",
+      ("lora_tile_size=32", "lora_module_path=decoder/moe_layers/shared_experts/.*"),
+      "must divide shared_experts x moe_mlp_dim=48, the dimension decoder/moe_layers/shared_experts/wo contracts",
+    ),
+  ],
+)
+def test_a_qlora_tile_that_does_not_divide_a_contracted_dimension_is_one_line(model, overrides, fragment):
+  with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
+    make_config(f"model_name={model}", "max_target_length=32", *LORA, "lora_weight_qtype=nf4", *overrides)
+  assert "\n" not in str(caught.value)
+
+
+def test_a_qlora_tile_is_checked_only_against_the_adapted_projections():
+  """Tiles of 64 divide the MLP inputs' base_emb_dim=64, not the attention output's head_dim=16: adapting the former
+  alone is a valid QLoRA model, and it builds."""
+  from MaxLite import builder
+  from MaxLite.parallel.mesh import create_mesh
+
+  config = make_config(*COMMON, *LORA, "lora_weight_qtype=nf4", "lora_tile_size=64", "lora_module_path=.*mlp/wi_.")
+  builder.training(config, create_mesh(config, first_devices(1)))
+
+
+@pytest.mark.parametrize(
+  "model, overrides",
+  [
+    ("tiny", ()),
+    ("tiny", ("scan_layers=false", "fused_qkv=true", "fused_mlp=true", "base_num_kv_heads=4")),
+    ("tiny-moe", ()),
+    ("tiny-gemma3", ()),
+    ("tiny-deepseek", ()),
+    ("tiny-deepseek", ("q_lora_rank=0", "scan_layers=false", "shared_experts=2")),
+  ],
+)
+def test_the_qlora_tile_check_knows_each_projection_s_contracted_dimension(model, overrides):
+  """The config-time table (config/validation.py) against the model: every kernel Qwix can adapt, and the innermost
+  dimension its matmul contracts (A [in, rank] flattens the contracted dims, the leading ones of the kernel)."""
+  from flax import traverse_util
+
+  from MaxLite import builder
+  from MaxLite.config.validation import qlora_contractions
+
+  config = make_config(
+    f"model_name={model}", "max_target_length=32", *LORA, "lora_module_path=(decoder|logits).*", *overrides
+  )
+  flat = traverse_util.flatten_dict(builder.abstract_parameters(config))
+  model_dims = {}
+  for path, a in flat.items():
+    if path[-1] == "kernel_lora_a" and "moe" not in path:  # the router: refused by name, never quantized
+      stacked = config.scan_layers and path[0] == "decoder"  # a scanned stack's leading layers axis
+      kernel = flat[(*path[:-1], "kernel")].shape[int(stacked) :]
+      contracted = next(k for k in range(1, len(kernel) + 1) if math.prod(kernel[:k]) == a.shape[-2])
+      model_dims["/".join(path[:-1])] = kernel[contracted - 1]
+  assert model_dims == {path: size for path, _, size in qlora_contractions(config.to_dict())}
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """LoRA <-> PEFT: a MaxLite LoRA step exports as merged weights plus a PEFT adapter folder, and transformers (with
-peft) gives MaxLite's logits for both; an adapter made by peft loads into MaxLite with peft's logits."""
+peft) gives MaxLite's logits for both; an adapter made by peft loads into MaxLite with peft's logits, and goes back
+to peft unchanged, in every family (Llama, Gemma 3, DeepSeek-V3), scanned and unscanned."""
 
 import re
 
@@ -8,12 +9,16 @@ import numpy as np
 import pytest
 from conftest import first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
+from test_deepseek import hf_deepseek
+from test_gemma3 import hf_gemma3
 from test_hf_interop import SEQ, hf_model, maxlite_logits, token_ids
 
 from MaxLite import builder
 from MaxLite.checkpoint import hf as convert_hf
-from MaxLite.checkpoint import lora_steps
+from MaxLite.checkpoint import lora_peft, lora_steps
+from MaxLite.checkpoint.safetensors_io import read_file
 from MaxLite.cli.errors import CheckpointError
+from MaxLite.layers import lora
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.train_state import model_params
@@ -26,6 +31,18 @@ pytest.importorskip("qwix")
 
 LORA = ("enable_lora=true", "lora_rank=4", "lora_alpha=12")  # scale 3: a mix-up of alpha/r cannot pass
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# DeepSeek: MLA's projections, q_b_proj / q_proj and kv_a_proj_with_mqa holding RoPE rows MaxLite keeps in
+# rotate-half order. Not its MLPs: peft 0.21 on transformers 5 turns every gate/up/down_proj target of a DeepseekV3
+# model into one on the routed experts' fused tensors (huggingface/peft#3711), so it puts no adapter on the dense MLP
+# or the shared experts.
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+ATTENTION_ONLY = r"lora_module_path=(decoder/\w*layers(_\d+)?/)?self_attention/\w+"
+FAMILIES = {  # transformers model maker, its settings, peft's target modules, MaxLite's settings
+  "llama": (hf_model, {}, PROJECTIONS, ()),
+  "gemma3": (hf_gemma3, {}, PROJECTIONS, ()),
+  "deepseek": (hf_deepseek, {}, MLA, (ATTENTION_ONLY,)),
+  "deepseek_no_q_lora": (hf_deepseek, {"q_lora_rank": None}, ["q_proj", *MLA[2:]], (ATTENTION_ONLY,)),
+}
 
 
 def _lora_logits(config, ids):
@@ -45,22 +62,37 @@ def _transformers_logits(model, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scan_layers", ["true", "false"])
-def test_a_lora_step_exports_merged_weights_and_a_peft_adapter_with_maxlite_logits(tmp_path, scan_layers):
-  base_model, hf_path = hf_model(tmp_path)
+@pytest.mark.parametrize("family, scan_layers", [("llama", "true"), ("llama", "false"), ("deepseek", "true")])
+def test_a_lora_step_exports_merged_weights_and_a_peft_adapter_with_maxlite_logits(
+  tmp_path, family, scan_layers, monkeypatch
+):
+  """DeepSeek: a LoRA run with routed_bias_update_rate > 0 trains (the routing bias stays as the frozen base has it),
+  and its MLA adapters, RoPE rows included, export with MaxLite's logits."""
+  make, overrides, _, maxlite = FAMILIES[family]
+  base_model, hf_path = make(tmp_path, **overrides)
   base_step = convert_hf.to_maxlite(hf_path, str(tmp_path / "base"), [f"scan_layers={scan_layers}"])
-  run = (*LORA, f"load_parameters_path={base_step}", f"max_target_length={SEQ}", "learning_rate=1e-2")
+  run = (*LORA, *maxlite, f"load_parameters_path={base_step}", f"max_target_length={SEQ}", "learning_rate=1e-2")
+  run += ("routed_bias_update_rate=0.01",) if family == "deepseek" else ()
   run += ("dataset_type=synthetic", "per_device_batch_size=2", "enable_tensorboard=false")
   train(make_config(*run, "steps=3", f"base_output_directory={tmp_path}", "run_name=lora"), first_devices(1))
   step = str(tmp_path / "lora" / "checkpoints" / "3")
   files = convert_hf.to_hf(step, str(tmp_path / "export"), [])
   assert "adapter/adapter_config.json" in files and "adapter/adapter_model.safetensors" in files
+  assert "base/config.json" in files and not any(f.startswith("base/adapter") for f in files)
 
   ids = token_ids(base_model.config.vocab_size)
   ours, _ = _lora_logits(make_config(*run, f"lora_restore_path={step}"), ids)
   base_logits = _transformers_logits(base_model, ids)  # before peft puts the adapter into base_model
-  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), attn_implementation="eager")
   with_adapter = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "export" / "adapter")).eval()
+  # The adapter folder alone, offline and from another working directory: its config names the base's folder.
+  import huggingface_hub
+
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.chdir(tmp_path / "elsewhere")
+  auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "export" / "adapter")).eval()
   plain = make_config(f"load_parameters_path={step}", f"max_target_length={SEQ}")
   device = jax.sharding.SingleDeviceSharding(first_devices(1)[0])
   abstract = builder.abstract_parameters(plain)
@@ -69,6 +101,7 @@ def test_a_lora_step_exports_merged_weights_and_a_peft_adapter_with_maxlite_logi
   for name, got in (
     ("transformers, merged export", _transformers_logits(merged, ids)),
     ("transformers + peft adapter", _transformers_logits(with_adapter, ids)),
+    ("peft's AutoPeftModelForCausalLM on the adapter folder", _transformers_logits(auto, ids)),
     ("MaxLite, merged step", merged_in_maxlite),
   ):
     print(f"{name}: max abs difference from MaxLite's LoRA model {np.abs(got - ours).max():.2e}")
@@ -112,3 +145,43 @@ def test_an_adapter_made_by_peft_loads_with_peft_s_logits(tmp_path):
   with pytest.raises(CheckpointError, match=re.escape("has shape [96, 4], this model needs [160, 4]")) as caught:
     _lora_logits(make_config(*run, f"hf_lora_adapter_path={tmp_path / 'other_adapter'}"), ids)
   assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", ["true", "false"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_peft_adapters_load_and_export_with_peft_s_logits_in_every_family(tmp_path, family, scan_layers):
+  """A peft adapter on every projection of a converted transformers model: MaxLite's LoRA model gives peft's logits,
+  and MaxLite's adapters exported again are peft's tensors exactly, which peft on a fresh base turns into MaxLite's
+  logits. DeepSeek's RoPE rows are stored permuted in MaxLite, and its adapters' B rows must move with them."""
+  make, overrides, targets, maxlite = FAMILIES[family]
+  base_model, hf_path = make(tmp_path, **overrides)
+  base_step = convert_hf.to_maxlite(hf_path, str(tmp_path / "base"), [f"scan_layers={scan_layers}"])
+  ids = token_ids(base_model.config.vocab_size)
+  base_logits = _transformers_logits(base_model, ids)
+  torch.manual_seed(1)
+  settings = peft.LoraConfig(r=4, lora_alpha=12, target_modules=targets, init_lora_weights=False)
+  made = peft.get_peft_model(base_model, settings).eval()
+  made.save_pretrained(str(tmp_path / "adapter"))
+  expected = _transformers_logits(made, ids)
+  run = (*LORA, *maxlite, f"load_parameters_path={base_step}", f"max_target_length={SEQ}", "per_device_batch_size=2")
+  config = make_config(*run, f"hf_lora_adapter_path={tmp_path / 'adapter'}")
+  ours, state = _lora_logits(config, ids)
+  print(
+    f"{family}: MaxLite vs peft {np.abs(ours - expected).max():.2e}, the adapter's own effect "
+    f"{np.abs(expected - base_logits).max():.2e}"
+  )
+  assert np.abs(ours - expected).max() <= 1e-4
+  assert np.abs(expected - base_logits).max() > 1e-2  # the adapter is not a no-op
+
+  adapters, base = lora.split(jax.tree.map(np.asarray, model_params(state)))
+  folder = str(tmp_path / "export" / "adapter")
+  lora_peft.write_adapter(folder, config, base, adapters, rank=4, alpha=12.0)
+  original = read_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  exported = read_file(f"{folder}/adapter_model.safetensors")
+  assert set(exported) == set(original)
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+  fresh = transformers.AutoModelForCausalLM.from_pretrained(hf_path, attn_implementation="eager")
+  back = peft.PeftModel.from_pretrained(fresh, folder).eval()
+  assert np.abs(_transformers_logits(back, ids) - ours).max() <= 1e-4

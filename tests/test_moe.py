@@ -221,3 +221,117 @@ def test_rows_over_capacity_take_no_send_slot_and_are_counted_once(megablox):
     y, dropped = run(*map(jnp.asarray, (x, weights, experts, mask, *w)))
   np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
   assert float(dropped) == want_dropped
+
+
+# ---------------------------------------------------------------- router precision
+
+
+@pytest.mark.parametrize("dispatch", ["sparse_matmul=true", "sparse_matmul=false"])
+def test_bfloat16_router_chooses_as_float32_does(dispatch):
+  # transformers' DeepSeek-V3 router computes its logits in float32 whatever the model's dtype. Expert 1's logit is
+  # 1 + 2^-9 and expert 0's 1 (inputs and weights exact in bfloat16): rounded to bfloat16 (spacing 2^-7 at 1) they tie
+  # and top_k takes expert 0; in float32 expert 1 wins. The bfloat16 model must route this token as float32 does.
+  from MaxLite.layers.moe import MoeBlock
+
+  common = ("model_name=tiny-moe", "num_experts_per_tok=1", "megablox=false", dispatch)
+  x = jnp.ones((1, 2, 64), jnp.float32)
+  mask = jnp.ones((1, 2), bool)
+  f32, bf16 = make_config(*common, "dtype=float32"), make_config(*common, "dtype=bfloat16")
+  params = nn.unbox(MoeBlock(f32).init(jax.random.key(3), x, mask)["params"])
+  gate = np.zeros((64, 4), np.float32)
+  gate[:, 0] = gate[:, 1] = 2.0**-6
+  gate[0, 1] += 2.0**-9
+  params["gate"]["kernel"] = jnp.asarray(gate)
+  rounded = np.asarray((x.astype(jnp.bfloat16) @ jnp.asarray(gate, jnp.bfloat16))[0, 0].astype(jnp.float32))
+  assert rounded[0] == rounded[1] and (x[0, 0] @ gate)[1] > (x[0, 0] @ gate)[0]  # the case: a tie only in bfloat16
+
+  want = np.asarray(MoeBlock(f32).apply({"params": params}, x, mask)[0])
+  got = np.asarray(MoeBlock(bf16).apply({"params": params}, x, mask)[0].astype(jnp.float32))
+  expert0 = {**params, "gate": {"kernel": jnp.asarray(gate[:, [1, 0, 2, 3]])}}  # what the tie would choose
+  wrong = np.asarray(MoeBlock(f32).apply({"params": expert0}, x, mask)[0])
+  gap = np.abs(wrong - want).max()
+  assert gap > 0.05, gap  # the two experts give clearly different outputs
+  assert np.abs(got - want).max() < 0.1 * gap, (np.abs(got - want).max(), gap)
+
+
+# ---------------------------------------------------------------- load balance with sigmoid routing (DeepSeek)
+
+
+def sigmoid_balance_loss(logits: np.ndarray, mask: np.ndarray, top_k: int, groups: int = 1, top_groups: int = 1):
+  """The token-weighted mean over sequences of num_experts^2 * mean_e(density_e * prob_e) for sigmoid routing, in
+  numpy: prob_e = the mean of DeepSeek-V3's normalised affinity s_e / sum_j s_j (s = sigmoid(logit); its
+  sequence-wise balance loss), density_e = chosen (top_k of the best `top_groups` groups) per real token."""
+  b, s, e = logits.shape
+  scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+  grouped = scores.reshape(b, s, groups, e // groups)
+  worth = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+  best = np.argsort(-worth, axis=-1, kind="stable")[..., :top_groups]
+  keep = np.zeros((b, s, groups), bool)
+  np.put_along_axis(keep, best, True, axis=-1)
+  chooser = np.where(np.repeat(keep, e // groups, axis=-1), scores, -np.inf)
+  top = np.argsort(-chooser, axis=-1, kind="stable")[..., :top_k]
+  chosen = np.eye(e)[top].sum(axis=2)  # [b, s, e]
+  affinity = scores / scores.sum(-1, keepdims=True)
+  total, tokens = 0.0, 0.0
+  for row in range(b):
+    real = mask[row].astype(bool)
+    if real.any():
+      density, prob = chosen[row][real].mean(0), affinity[row][real].mean(0)
+      total += real.sum() * e**2 * np.mean(density * prob)
+      tokens += real.sum()
+  return total / tokens
+
+
+def test_sigmoid_balance_loss_is_top_k_when_balanced():
+  # DeepSeek's sigmoid scores do not sum to 1 over the experts: without normalising them the logged moe_lb_loss read
+  # num_experts * top_k * mean score (9-12 on tiny-deepseek) where the README promises top_k for balanced routing.
+  from MaxLite.layers.moe import Routing, choose_experts, load_balance_loss
+
+  e, k = 4, 2
+  # Each token picks a pair ((0, 1) or (2, 3)) with scores near 1 for every expert: perfectly balanced.
+  logits = np.full((2, 8, e), 4.0, np.float32)
+  logits[:, 0::2, :2] = logits[:, 1::2, 2:] = 5.0
+  mask = np.ones((2, 8), np.float32)
+  sigmoid = Routing(score_func="sigmoid")
+  stats = choose_experts(jnp.asarray(logits), jnp.asarray(mask), k, routing=sigmoid)[3]
+  np.testing.assert_allclose(load_balance_loss(stats), k, rtol=1e-6)
+
+  rng = np.random.default_rng(0)
+  logits = (rng.normal(size=(3, 16, 8)) * 2 + 1).astype(np.float32)
+  mask = np.ones((3, 16), np.float32)
+  mask[1, 11:] = 0
+  mask[2] = 0
+  stats = choose_experts(jnp.asarray(logits), jnp.asarray(mask), 3, routing=sigmoid)[3]
+  np.testing.assert_allclose(load_balance_loss(stats), sigmoid_balance_loss(logits, mask, 3), rtol=1e-5)
+
+
+def test_deepseek_logged_balance_loss_is_the_normalised_one():
+  # The logged value of a whole tiny DeepSeek (grouped sigmoid routing, zero bias at init), mean over its MoE layers.
+  unrolled = make_config("model_name=tiny-deepseek", f"max_target_length={SEQ}", "scan_layers=false")
+  batch = _batch(3, padding=(0, 6, 0))
+  params = _init(unrolled, batch)
+  _, state = Transformer(unrolled).apply(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_position"],
+    batch["inputs_segmentation"],
+    capture_intermediates=lambda module, _: module.name == "gate",
+    mutable="intermediates",
+  )
+  decoder = state["intermediates"]["decoder"]
+  mask = np.asarray(batch["inputs_segmentation"] != 0)
+  moe_layers = unrolled.base_num_decoder_layers - unrolled.first_num_dense_layers
+  expected = np.mean(
+    [
+      sigmoid_balance_loss(
+        np.asarray(decoder[f"moe_layers_{i}"]["moe"]["gate"]["__call__"][0]),
+        mask,
+        unrolled.num_experts_per_tok,
+        unrolled.n_routing_groups,
+        unrolled.topk_routing_group,
+      )
+      for i in range(moe_layers)
+    ]
+  )
+  sums = _sums(unrolled, params, batch)
+  np.testing.assert_allclose(sums["moe_lb_sum"] / sums["count"], expected, rtol=1e-5)

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, first_devices, make_config
@@ -266,6 +267,35 @@ def test_response_log_probs_per_pair():
   np.testing.assert_array_equal(chosen[:, :2], [[1 + 2, 6], [2 + 3 + 4, 8 + 9]])
   np.testing.assert_array_equal(rejected[:, :2], [[4 + 5, 8], [5 + 6, 0]])
   np.testing.assert_array_equal(valid[:, :3], [[1, 1, 0], [1, 0, 0]])
+
+
+def test_dpo_ties_within_rounding_are_not_wins():
+  """policy = reference (DPO's first step) on a sharded mesh: the two forward passes are compiled apart and their
+  summed log-probabilities differ by a few float32 roundings (default model, ici_tensor_parallelism=2: step 1 logged
+  rewards/accuracies 0.08 with margins 0.000). Those pairs are ties, and as in TRL ((chosen_rewards >
+  rejected_rewards).float()) a tie is not a win; a margin well above rounding still is."""
+  rng = np.random.default_rng(0)
+  pairs = 40
+  reference = [jnp.asarray(-rng.uniform(200, 900, (2, pairs)).astype(np.float32)) for _ in range(2)]
+
+  def ulps(x, n):  # x moved by n float32 roundings, n random in [-n, n]
+    steps = rng.integers(-n, n + 1, x.shape)
+    out = np.asarray(x).copy()
+    for _ in range(n):
+      out = np.where(steps > 0, np.nextafter(out, np.float32(np.inf)), out)
+      out = np.where(steps < 0, np.nextafter(out, np.float32(-np.inf)), out)
+      steps = steps - np.sign(steps)
+    return jnp.asarray(out)
+
+  valid = jnp.ones((2, pairs), jnp.float32)
+  noisy = (ulps(reference[0], 3), ulps(reference[1], 3))
+  sums = dpo.dpo_sums(noisy, tuple(reference), valid, beta=0.1, label_smoothing=0.0)
+  assert abs(float(sums["rewards/margins"])) / (2 * pairs) < 1e-4  # reads 0.000
+  assert float(sums["rewards/accuracies"]) == 0.0
+  # A real preference one step of training can make (a margin of 1e-3 in reward) is a win.
+  moved = (reference[0] + 0.01, reference[1])
+  sums = dpo.dpo_sums(moved, tuple(reference), valid, beta=0.1, label_smoothing=0.0)
+  assert float(sums["rewards/accuracies"]) == 2 * pairs
 
 
 def test_records_become_masked_documents_and_whole_pairs():

@@ -24,6 +24,7 @@ from MaxLite.checkpoint import STATE, lora_steps, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.hf_layout import part_slice
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
+from MaxLite.checkpoint.tokenizer_export import write_tokenizer
 from MaxLite.cli.errors import InputError
 from MaxLite.data.tokenizer import load_tokenizer
 
@@ -164,16 +165,21 @@ def save_params(params: dict, config: Any, output_path: str) -> str:
   return step_dir
 
 
-def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[str]:
-  """Writes config.json + safetensors that transformers' from_pretrained loads."""
+def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str], adapter: bool = True) -> list[str]:
+  """Writes config.json + safetensors that transformers' from_pretrained loads; for a LoRA step also the PEFT adapter
+  folder and its base (adapter=False: the merged weights alone)."""
   # The path travels on as load_parameters_path; a wrong one is named by the flag the user typed.
   checkpointing.resolve_state_dir(checkpoint_path, "--checkpoint_path")
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
   ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}
-  if not any(a.startswith("tokenizer_path=") for a in argv) and tokenizer.vocab_size != config.vocab_size:
-    # The shipped default tokenizer is not this model's: its BOS/EOS ids would be someone else's.
-    logging.warning("to_hf: no tokenizer_path given; bos_token_id/eos_token_id are left null in config.json")
+  foreign = not any(a.startswith("tokenizer_path=") for a in argv) and tokenizer.vocab_size != config.vocab_size
+  if foreign:
+    # The shipped default tokenizer is not this model's: its BOS/EOS ids and its files would be someone else's.
+    logging.warning(
+      "to_hf: no tokenizer_path given; bos_token_id/eos_token_id are left null in config.json and no tokenizer is "
+      "written"
+    )
     ids = {name: -1 for name in ids}
   elif tokenizer.vocab_size > config.vocab_size:
     raise InputError(
@@ -211,13 +217,15 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str]) -> list[s
   files = write_checkpoint(output_path, tensors)
   hf_config = family.hf.config(config, **{name: i if i >= 0 else None for name, i in ids.items()})
   storage.write_text(storage.join(output_path, "config.json"), json.dumps(hf_config, indent=2))
-  files = ["config.json", *files, *_copy_tokenizer_files(config, output_path)]
-  return files + _peft_adapter(checkpoint_path, config, target, output_path)
+  files = ["config.json", *files, *([] if foreign else write_tokenizer(config, output_path))]
+  return files + (_peft_adapter(checkpoint_path, config, target, output_path, argv) if adapter else [])
 
 
-def _peft_adapter(checkpoint_path: str, config: Any, target: Any, output_path: str) -> list[str]:
-  """A LoRA step's adapters also as a PEFT folder, <output_path>/adapter, beside the merged weights: peft's
-  PeftModel.from_pretrained(<the base in transformers>, <output_path>/adapter)."""
+def _peft_adapter(checkpoint_path: str, config: Any, target: Any, output_path: str, argv: Sequence[str]) -> list[str]:
+  """A LoRA step's adapters also as a PEFT folder, <output_path>/adapter, beside the merged weights, with the weights
+  they were trained on, unmerged, as <output_path>/base: adapter_config.json names that folder, so peft's
+  AutoPeftModelForCausalLM.from_pretrained(<output_path>/adapter) loads on its own (not the merged weights, which
+  hold the adapters already), as does PeftModel.from_pretrained(<the base in transformers>, <output_path>/adapter)."""
   settings = lora_steps.lora_settings(checkpoint_path)
   if settings is None:
     return []
@@ -227,23 +235,10 @@ def _peft_adapter(checkpoint_path: str, config: Any, target: Any, output_path: s
   member = int(settings.get("ensemble_member", -1))  # the ensemble member the adapters were trained on, if any
   base = jax.tree.map(np.asarray, lora_steps.load_params(base_path, target, member))
   adapters = jax.tree.map(np.asarray, lora_steps.adapters_of(checkpoint_path, jax.tree.leaves(target)[0]))
+  base_dir = storage.join(output_path, "base")
+  base_files = to_hf(base_path, base_dir, [*argv, *([f"ensemble_member={member}"] if member >= 0 else [])], False)
   folder = storage.join(output_path, "adapter")
-  written = lora_peft.write_adapter(folder, config, base, adapters, settings["lora_rank"], settings["lora_alpha"])
-  return [f"adapter/{name}" for name in written]
-
-
-def _copy_tokenizer_files(config: Any, output_path: str) -> list[str]:
-  """A Hugging Face tokenizer travels with the export, so AutoTokenizer loads the output directory as it is."""
-  if config.tokenizer_type != "huggingface":
-    return []
-  source = storage.resolve(config.tokenizer_path)
-  folder = source if storage.isdir(source) else storage.dirname(source)
-  files = {"tokenizer.json": source if storage.isfile(source) else storage.join(folder, "tokenizer.json")}
-  others = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # as transformers 5 saves
-  files.update({name: storage.join(folder, name) for name in others})
-  copied = []
-  for name, path in files.items():
-    if storage.isfile(path):
-      storage.write_bytes(storage.join(output_path, name), storage.read_bytes(path))
-      copied.append(name)
-  return copied
+  rank, alpha = settings["lora_rank"], settings["lora_alpha"]
+  # Absolute: peft hands base_model_name_or_path to from_pretrained as written, relative to the reader's directory.
+  written = lora_peft.write_adapter(folder, config, base, adapters, rank, alpha, storage.absolute(base_dir))
+  return [f"base/{name}" for name in base_files] + [f"adapter/{name}" for name in written]

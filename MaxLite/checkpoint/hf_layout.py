@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from MaxLite.cli.errors import InputError
+from MaxLite.layers.rope import hf_yarn_attention_factor
 
 ARCHITECTURES = (
   "LlamaForCausalLM",
@@ -98,10 +99,7 @@ def _rope_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
       "original_max_position_embeddings": int(original),
     }
   if kind == "yarn":
-    for field in ("attention_factor", "mscale", "mscale_all_dim"):
-      if rope.get(field) is not None:
-        raise InputError(f"{source}: rope_scaling.{field} is not supported (yarn's scale is 0.1 ln(factor) + 1)")
-    return {
+    settings = {
       "rope_max_timescale": theta,
       "rope_type": "yarn",
       "rope_factor": float(rope["factor"]),
@@ -110,6 +108,10 @@ def _rope_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
       "beta_slow": float(rope.get("beta_slow") or 1),
       "rope_truncate": bool(rope.get("truncate", True)),
     }
+    scales = [rope.get(field) for field in ("attention_factor", "mscale", "mscale_all_dim")]
+    if any(v is not None for v in scales):  # only cos/sin: no Llama-shaped model scales its softmax by mscale_all_dim
+      settings["rope_attention_factor"] = hf_yarn_attention_factor(float(rope["factor"]), *scales)
+    return settings
   raise InputError(f"{source}: rope_scaling.rope_type={kind!r} is not supported (supported: default, llama3, yarn)")
 
 
@@ -208,6 +210,7 @@ def _rope_scaling(config: Any) -> dict[str, Any] | None:
       "original_max_position_embeddings": config.original_max_position_embeddings,
     }
   if config.rope_type == "yarn":
+    explicit = {} if config.rope_attention_factor == -1 else {"attention_factor": config.rope_attention_factor}
     return {
       "rope_type": "yarn",
       "factor": config.rope_factor,
@@ -215,8 +218,20 @@ def _rope_scaling(config: Any) -> dict[str, Any] | None:
       "beta_fast": config.beta_fast,
       "beta_slow": config.beta_slow,
       "truncate": config.rope_truncate,
+      **explicit,
     }
   return None
+
+
+def rope_keys(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
+  """config.json's RoPE in both forms: transformers 5 reads rope_parameters; transformers 4.x and vLLM read only
+  rope_theta and rope_scaling (null = unscaled) and would silently drop a scaling found in rope_parameters alone."""
+  kind = (scaling or {}).get("rope_type", "default")
+  return {
+    "rope_theta": theta,
+    "rope_scaling": scaling,
+    "rope_parameters": {"rope_type": kind, "rope_theta": theta, **(scaling or {})},
+  }
 
 
 def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
@@ -237,8 +252,7 @@ def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | N
     "num_hidden_layers": config.base_num_decoder_layers,
     "vocab_size": config.vocab_size,
     "rms_norm_eps": config.normalization_layer_epsilon,
-    "rope_theta": config.rope_max_timescale,
-    "rope_scaling": scaling,
+    **rope_keys(config.rope_max_timescale, scaling),
     "tie_word_embeddings": config.logits_via_embedding,
     "max_position_embeddings": context,
     "bos_token_id": bos_id,

@@ -3,19 +3,22 @@ model checkpoint/hf.py exports.
 
 A MaxLite adapter pair is A [in, r] and B [r, out], `in` and `out` the kernel's contracted and kept dims flattened in
 kernel order; PEFT's are lora_A.weight [r, in] and lora_B.weight [out, r] of the Hugging Face module, scaled by
-lora_alpha / r as MaxLite scales. So an adapter is its transpose wherever the Hugging Face weight is the kernel
-flattened to [in, out] and transposed (every q/k/v/o and gate/up/down projection of the Llama-like families); where
-it is not (a fused qkv or gate/up kernel, experts) the export names the weight and stops.
+lora_alpha / r as MaxLite scales. The Hugging Face weight is the kernel flattened to [in, out], transposed, and for
+some projections with its rows reordered: DeepSeek's q_b_proj / q_proj and kv_a_proj_with_mqa, whose RoPE rows
+MaxLite stores in rotate-half order (models/deepseek.py). Each weight's order is read off the family's own weight
+conversion, and moves the adapters with it: an output row order reorders B's rows (A is untouched), an input
+column order A's columns. A weight that is not one projection's kernel (a fused qkv or gate/up kernel, experts)
+has no PEFT adapter: the export and the import name it and stop.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from MaxLite import models, storage
 from MaxLite.checkpoint.hf import _layer_slot
@@ -48,20 +51,37 @@ def _projections(config: Any) -> Iterator[tuple[str, list[str], int | None, Any]
       yield f"model.layers.{i}.{t.hf_name.removesuffix('.weight')}", where, j if config.scan_layers else None, t
 
 
-def _check_plain_transpose(name: str, tensor: Any, kernel_shape: tuple[int, ...], rows: int) -> None:
-  """The Hugging Face weight of `tensor` must be its kernel as [in, out], transposed, for A and B to carry over."""
-  probe = np.arange(math.prod(kernel_shape), dtype=np.float64).reshape(kernel_shape)
-  if tensor.part is not None or not np.array_equal(tensor.to_hf(probe), probe.reshape(rows, -1).T):
-    raise CheckpointError(
-      f"{name}: this weight is not a plain [in, out] kernel in MaxLite (fused_qkv / fused_mlp), so its adapter has no "
-      "PEFT equivalent; train the LoRA run with fused_qkv=false fused_mlp=false"
-    )
+def _orders(name: str, tensor: Any, rows: int, cols: int, seen: dict) -> tuple[np.ndarray, np.ndarray]:
+  """(hf_in, hf_out): the kernel flattened to K [rows, cols] ([in, out]) is the Hugging Face weight W [cols, rows]
+  with K[i, o] = W[hf_out[o], hf_in[i]]. Read off the family's conversion applied to W's own flat indices; a weight
+  whose conversion is not such a row and column reordering has no PEFT adapter. `seen`: the orders already read,
+  by weight (every layer of a stack has the same)."""
+  key = (tensor.path, tensor.hf_name, rows, cols)
+  if key not in seen:
+    seen[key] = _read_orders(name, tensor, rows, cols)
+  return seen[key]
+
+
+def _read_orders(name: str, tensor: Any, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+  if tensor.part is None:
+    indices = np.arange(rows * cols, dtype=np.int64).reshape(cols, rows)  # W[p, q] = p * rows + q
+    k = np.asarray(tensor.to_maxlite(indices))
+    if k.size == rows * cols:
+      k = k.reshape(rows, cols)
+      hf_in, hf_out = k[:, 0] % rows, k[0, :] // rows
+      orders = np.array_equal(np.sort(hf_in), np.arange(rows)) and np.array_equal(np.sort(hf_out), np.arange(cols))
+      if orders and np.array_equal(k, hf_out[None, :] * rows + hf_in[:, None]):
+        return hf_in, hf_out
+  raise CheckpointError(
+    f"{name}: this weight is not one projection's kernel in MaxLite (fused_qkv / fused_mlp), so its adapter has no "
+    "PEFT equivalent; train the LoRA run with fused_qkv=false fused_mlp=false"
+  )
 
 
 def adapter_tensors(config: Any, base: dict, adapters: dict) -> tuple[dict[str, np.ndarray], list[str]]:
   """({PEFT tensor name: array}, target module names) of MaxLite adapters on model `config` (base: its kernels)."""
   out: dict[str, np.ndarray] = {}
-  targets, used = set(), set()
+  targets, used, seen = set(), set(), {}
   for name, where, j, tensor in _projections(config):
     node = _get(adapters, where)
     if not node:
@@ -70,9 +90,13 @@ def adapter_tensors(config: Any, base: dict, adapters: dict) -> tuple[dict[str, 
     kernel = np.asarray(_get(base, [*where, "kernel"]))
     if j is not None:
       a, b, kernel = a[j], b[j], kernel[j]
-    _check_plain_transpose(name, tensor, kernel.shape, a.shape[0])
-    out[f"{PREFIX}{name}.lora_A.weight"] = a.T
-    out[f"{PREFIX}{name}.lora_B.weight"] = b.T
+    if kernel.size != a.shape[0] * b.shape[1]:
+      raise CheckpointError(
+        f"{name}: adapters A {list(a.shape)}, B {list(b.shape)} do not fit its kernel {kernel.shape}"
+      )
+    hf_in, hf_out = _orders(name, tensor, a.shape[0], b.shape[1], seen)
+    out[f"{PREFIX}{name}.lora_A.weight"] = a.T[:, np.argsort(hf_in)]
+    out[f"{PREFIX}{name}.lora_B.weight"] = b.T[np.argsort(hf_out)]
     targets.add(name.rsplit(".", 1)[-1])
     used.add("/".join(where))
   unmapped = sorted({"/".join(k[:-1]) for k in _flat(adapters)} - used)
@@ -89,8 +113,19 @@ def _flat(tree: dict, prefix: tuple = ()) -> Iterator[tuple]:
       yield (*prefix, k)
 
 
-def write_adapter(output_dir: str, config: Any, base: dict, adapters: dict, rank: int, alpha: float) -> list[str]:
+def write_adapter(
+  output_dir: str, config: Any, base: dict, adapters: dict, rank: int, alpha: float, base_model: str | None = None
+) -> list[str]:
+  """The PEFT folder. base_model: the base_model_name_or_path that peft's AutoPeftModelForCausalLM loads the base
+  from: the weights the adapters were trained on, unmerged (with the merged ones it would add them twice). peft hands
+  it to from_pretrained as written, so a relative path would resolve against the reader's working directory."""
   tensors, targets = adapter_tensors(config, base, adapters)
+  if config.decoder_block == "deepseek" and {"gate_proj", "up_proj", "down_proj"} & set(targets):
+    logging.warning(
+      "PEFT adapter: peft 0.21 on transformers 5 moves DeepseekV3's gate_proj/up_proj/down_proj targets to the routed "
+      "experts (huggingface/peft#3711) and so leaves out these adapters of the dense MLPs and shared experts: with "
+      "it, use the merged weights, or train with lora_module_path on self_attention only"
+    )
   storage.makedirs(output_dir)
   write_file(storage.join(output_dir, WEIGHTS_FILE), tensors)
   peft_config = {
@@ -105,7 +140,7 @@ def write_adapter(output_dir: str, config: Any, base: dict, adapters: dict, rank
     "use_rslora": False,
     "init_lora_weights": True,
     "inference_mode": True,
-    "base_model_name_or_path": None,
+    "base_model_name_or_path": base_model,
   }
   storage.write_text(storage.join(output_dir, CONFIG_FILE), json.dumps(peft_config, indent=2))
   return [CONFIG_FILE, WEIGHTS_FILE]
@@ -135,11 +170,13 @@ def read_adapter(folder: str, config: Any, abstract_adapters: dict) -> dict:
   weights = read_file(storage.join(folder, WEIGHTS_FILE))
   weights = {k.replace(".default.", "."): v for k, v in weights.items()}  # a name with PEFT's adapter name in it
   out: dict = {}
-  taken = set()
-  for name, where, j, _ in _projections(config):
+  taken, seen = set(), {}
+  for name, where, j, tensor in _projections(config):
     node = _get(abstract_adapters, where)
     if not node:
       continue
+    rows, cols = node["kernel_lora_a"].shape[-2], node["kernel_lora_b"].shape[-1]
+    hf_in, hf_out = _orders(name, tensor, rows, cols, seen)
     for side, key in (("A", "kernel_lora_a"), ("B", "kernel_lora_b")):
       tensor_name = f"{PREFIX}{name}.lora_{side}.weight"
       if tensor_name not in weights:
@@ -151,6 +188,7 @@ def read_adapter(folder: str, config: Any, abstract_adapters: dict) -> dict:
           f"hf_lora_adapter_path={folder}: {tensor_name} has shape {list(weights[tensor_name].shape)}, this model "
           f"needs {list(shape[::-1])} (is the adapter for another base?)"
         )
+      value = value[hf_in] if side == "A" else value[:, hf_out]  # the weight's row orders, as its kernel has them
       taken.add(tensor_name)
       target = _get(out, where) if _get(out, where) is not None else _make(out, where)
       if j is None:

@@ -10,10 +10,15 @@ import json
 from typing import Any
 
 import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxLite import storage
 from MaxLite.checkpoint import manager
+from MaxLite.checkpoint.reads import read
 from MaxLite.cli.errors import CheckpointError, ConfigError
 from MaxLite.layers import lora
 from MaxLite.storage.layout import saved_config_path, step_dir_of
@@ -32,21 +37,54 @@ def lora_settings(path: str) -> dict[str, Any] | None:
 
 
 def _member(path: str, target_params: Any, size: int, member: int) -> Any:
-  """Member `member` of an ensemble's step, read whole (members stacked) and sliced to `target_params`' placement."""
+  """Member `member` of an ensemble's step, placed as `target_params`. orbax restores whole arrays only (its
+  global_shape truncates at the end), and the whole stack would hold `size` members in memory, so each array is read
+  through TensorStore at [member, shard]: only the saved chunks that slice overlaps are read (one member's when the
+  run split the ensemble axis over devices; a chunk holding several members is read whole but not kept)."""
   if not 0 <= member < size:
     raise ConfigError(
       f"{path} holds an ensemble of {size} members: choose one with ensemble_member=0..{size - 1} (got {member})"
     )
+  state_dir = manager.resolve_state_dir(path, "load_parameters_path")
+  stacked = jax.tree.map(lambda t: jax.ShapeDtypeStruct((size, *t.shape), t.dtype), target_params)
+  manager.check_compatible(state_dir, {"params": stacked})
+  return read(state_dir, lambda: _read_member(state_dir, target_params, member))
 
-  def stacked(t: Any) -> jax.ShapeDtypeStruct:
-    sharding = t.sharding
-    if isinstance(sharding, NamedSharding):
-      sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-    return jax.ShapeDtypeStruct((size, *t.shape), t.dtype, sharding=sharding)
 
-  every = manager.load_params(path, jax.tree.map(stacked, target_params))
-  shardings = jax.tree.map(lambda t: t.sharding, target_params)
-  return jax.jit(lambda tree: jax.tree.map(lambda a: a[member], tree), out_shardings=shardings)(every)
+def _read_member(state_dir: str, target_params: Any, member: int) -> Any:
+  directory = epath.Path(state_dir)
+  ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(directory)
+  zarr3 = bool(ocp.PyTreeCheckpointHandler().metadata(directory).use_zarr3)
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path({"params": target_params})
+  pending = []
+  for key_path, target in leaves:  # every read is started before any is waited for
+    info = ocp.type_handlers.ParamInfo(
+      name=manager.path_name(key_path),
+      parent_dir=directory,
+      is_ocdbt_checkpoint=ocdbt,
+      use_zarr3=zarr3,
+      ts_context=context,
+    )
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+    store = ts.open(spec, open=True, context=context).result()[member]
+    shards = target.sharding.addressable_devices_indices_map(target.shape)
+    reads: dict = {}
+    for index in shards.values():  # a replicated shard is read once
+      reads.setdefault(_index_key(index), store[index].read())
+    pending.append((target, shards, reads))
+  arrays = []
+  for target, shards, reads in pending:
+    pieces = [
+      jax.device_put(np.asarray(reads[_index_key(index)].result(), dtype=target.dtype), device)
+      for device, index in shards.items()
+    ]
+    arrays.append(jax.make_array_from_single_device_arrays(target.shape, target.sharding, pieces))
+  return jax.tree_util.tree_unflatten(treedef, arrays)["params"]
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple:
+  return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def adapters_of(path: str, mesh_of: Any) -> dict:

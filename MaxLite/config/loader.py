@@ -253,6 +253,7 @@ MODEL_KEYS = (
   "beta_fast",
   "beta_slow",
   "rope_truncate",
+  "rope_attention_factor",
   "attention_bias",
   "use_qk_norm",
   "logits_via_embedding",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -154,6 +155,59 @@ def _check_lora(c: dict[str, Any]) -> None:
     )
   if c["enable_emergency_checkpoint"]:
     raise ConfigError("enable_lora=true with enable_emergency_checkpoint=true is not supported: use orbax checkpoints")
+
+
+def qlora_contractions(c: dict[str, Any]) -> list[tuple[str, str, int]]:
+  """(module path, size's key, size) of every projection LoRA can adapt: the innermost dimension its matmul contracts
+  in the kernel's own shape (the one QLoRA multiplies with), the axis Qwix quantizes in tiles of lora_tile_size.
+  Paths as Qwix matches lora_module_path against them: decoder/<stack>/... scanned, decoder/<stack>_<i>/...
+  unrolled, and also the bare layer's when pipelined (each stage applies its layers as modules of their own)."""
+  emb = ("base_emb_dim", c["base_emb_dim"])
+  if c["attention_type"] == "mla":
+    attention = (
+      [("wq_a", *emb), ("wq_b", "q_lora_rank", c["q_lora_rank"])] if c["q_lora_rank"] > 0 else [("query", *emb)]
+    )
+    attention += [("wkv_a", *emb), ("wkv_b", "kv_lora_rank", c["kv_lora_rank"]), ("out", "v_head_dim", c["v_head_dim"])]
+  else:
+    attention = [("qkv_proj", *emb)] if c["fused_qkv"] else [(n, *emb) for n in ("query", "key", "value")]
+    attention.append(("out", "head_dim", c["head_dim"]))
+  modules = [(f"self_attention/{name}", key, size) for name, key, size in attention]
+  dense = [(f"mlp/{n}", *emb) for n in (("wi",) if c["fused_mlp"] else ("wi_0", "wi_1"))]
+  dense.append(("mlp/wo", "base_mlp_dim", c["base_mlp_dim"]))
+  shared = []
+  if c["decoder_block"] == "deepseek" and c["shared_experts"] > 0:
+    shared = [(f"shared_experts/{n}", *emb) for n in ("wi_0", "wi_1")]
+    shared.append(("shared_experts/wo", "shared_experts x moe_mlp_dim", c["shared_experts"] * moe_mlp_dim(c)))
+  pipelined = c["ici_pipeline_parallelism"] != 1 or c["dcn_pipeline_parallelism"] != 1
+  out = [] if c["logits_via_embedding"] else [("logits_dense", *emb)]
+  for stack in models.family(c["decoder_block"]).stacks(types.SimpleNamespace(**c)):
+    moe = stack.options.get("moe", c["num_experts"] > 1)
+    prefixes = (
+      [f"decoder/{stack.name}/"] if c["scan_layers"] else [f"decoder/{stack.name}_{j}/" for j in range(stack.count)]
+    )
+    for module, key, size in modules + (shared if moe else dense):
+      out += [(f"{prefix}{module}", key, size) for prefix in prefixes + ([""] if pipelined else [])]
+  return out
+
+
+def _check_qlora_tiles(c: dict[str, Any]) -> None:
+  """Qwix quantizes each QLoRA kernel in tiles of lora_tile_size along its innermost contracted dimension, and a
+  tile that does not divide it ends in a traceback deep in the first matmul: named here instead."""
+  tile = c["lora_tile_size"]
+  if not (c["enable_lora"] and c["lora_weight_qtype"] and tile > 0):
+    return
+  from MaxLite.layers.lora import DEFAULT_MODULES  # only a QLoRA run with tiles gets here
+
+  pattern = c["lora_module_path"] or DEFAULT_MODULES
+  adapted = [(path, key, size) for path, key, size in qlora_contractions(c) if re.fullmatch(pattern, path)]
+  for path, key, size in adapted:
+    if size % tile:
+      fits = math.gcd(*(s for _, _, s in adapted))
+      raise ConfigError(
+        f"lora_tile_size={tile} must divide {key}={size}, the dimension {path} contracts (QLoRA quantizes its kernel "
+        f"in tiles along it): use a divisor of {fits} (it divides every adapted projection's), or 0 for one scale a "
+        "channel"
+      )
 
 
 def _check_quantization(c: dict[str, Any]) -> None:
@@ -433,6 +487,11 @@ def _check_model_features(c: dict[str, Any]) -> None:
       f"rope_type=llama3.1 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
       f"{c['rope_low_freq_factor']} and {c['rope_high_freq_factor']}"
     )
+  if c["rope_type"] == "yarn" and not (c["rope_attention_factor"] == -1 or c["rope_attention_factor"] > 0):
+    raise ConfigError(
+      f"rope_attention_factor={c['rope_attention_factor']} must be > 0 (cos/sin times it) or -1 (as transformers "
+      "derives it from rope_factor and mscale)"
+    )
   if c["rope_type"] == "yarn" and not 0 < c["beta_slow"] < c["beta_fast"]:
     raise ConfigError(f"rope_type=yarn needs 0 < beta_slow < beta_fast, got {c['beta_slow']} and {c['beta_fast']}")
 
@@ -522,6 +581,7 @@ def validate_and_derive(
   c.update(post_training.derive(c))
   _check_positive(c)
   _check_model_features(c)
+  _check_qlora_tiles(c)
   _check_optimizer(c)
   _check_decode(c)
   c.update(ensembles.check(c))

@@ -4,8 +4,9 @@ lora_module_path, lora_weight_qtype, lora_tile_size).
 Qwix intercepts the matmuls of the modules `lora_module_path` matches and adds (x A) B * lora_alpha / lora_rank to
 each, creating the adapters next to the module's kernel: `kernel_lora_a` [in, rank] (He-uniform) and `kernel_lora_b`
 [rank, out] (zeros, so a fresh adapter changes nothing), `in` and `out` being the kernel's contracted and kept dims,
-each flattened. PEFT's adapters are the same two matrices transposed (checkpoint/lora_peft.py). With
-lora_weight_qtype (QLoRA) the frozen kernel is stored quantized (nf4, int8, int4) and dequantized in each matmul.
+each flattened. PEFT's adapters are the same two matrices transposed, their rows in the order of the Hugging Face
+weight where it has another (checkpoint/lora_peft.py). With lora_weight_qtype (QLoRA) the frozen kernel is stored
+quantized (nf4, int8, int4) and dequantized in each matmul.
 
 The parameter tree of a LoRA model is the base model's plus the adapters; `split` and `merge` separate and join
 them: training differentiates and updates the adapters only (training/train_state.py), the base stays frozen.
@@ -25,6 +26,7 @@ from MaxLite.cli.errors import ConfigError
 # experts) of every layer. A pipelined run applies each layer as a module of its own, so the prefix is optional.
 DEFAULT_MODULES = r"(decoder/\w*layers(_\d+)?/)?(self_attention/\w+|mlp/\w+|shared_experts/\w+)"
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+MOE_BLOCK = "moe"  # the name every family gives its layers.moe.MoeBlock: the routed experts and their router
 
 
 def module_path(config: Any) -> str:
@@ -107,8 +109,10 @@ def check_matches(adapters: Any, config: Any) -> None:
 def check_no_routed_experts(adapters: Any, config: Any) -> None:
   """A MoE layer's routed experts multiply through a grouped matmul (ragged_dot or the megablox kernel) that Qwix's
   LoRA provider does not intercept, so adapters there would silently not apply: refused by name (the router too,
-  whose adapter alone would change which experts the tokens go to)."""
-  routed = [m for m in adapted_modules(adapters) if "/moe" in f"/{m}"]
+  whose adapter alone would change which experts the tokens go to). The MoE block is a module named `moe` in every
+  family (models/llama.py, models/deepseek.py): matched as a whole path component, as `moe_layers` (DeepSeek's stack
+  of MoE layers, attention and shared experts included) is a different module."""
+  routed = [m for m in adapted_modules(adapters) if MOE_BLOCK in m.split("/")]
   if routed:
     raise ConfigError(
       f"lora_module_path={module_path(config)!r} puts adapters on the routed experts ({routed[0]}): LoRA on routed "

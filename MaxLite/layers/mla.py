@@ -5,13 +5,14 @@ vector per token, shared by every head. Values are v_head_dim wide.
 
 RoPE rotates the two halves of the RoPE features (transformers' DeepSeek checkpoints rotate interleaved pairs: the
 converter permutes those weight rows once, checkpoint/hf layout of models/deepseek.py). With rope_type=yarn the
-softmax scale is (qk_nope + qk_rope)**-0.5 * (0.1 mscale ln(rope_factor) + 1)**2 and cos/sin are unscaled, as in
-transformers and MaxText. Decoding caches the uncompressed per-head keys and values.
+softmax scale is (qk_nope + qk_rope)**-0.5 * (0.1 mscale ln(rope_factor) + 1)**2 (mscale is transformers'
+mscale_all_dim) and cos/sin are multiplied by rope_attention_factor (layers/rope.py: 1 for DeepSeek's checkpoints,
+whose mscale and mscale_all_dim are equal; 0.1 ln(rope_factor) + 1 when they have none), as in transformers.
+Decoding caches the uncompressed per-head keys and values.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -24,13 +25,13 @@ from MaxLite.layers.attention import BATCH, LENGTH, Attention
 from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
-from MaxLite.layers.rope import apply_rope, rope_frequencies
+from MaxLite.layers.rope import apply_rope, rope_frequencies, yarn_mscale
 
 
 def mla_query_scale(cfg: Config) -> float:
   scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-  if cfg.rope_type == "yarn" and cfg.mscale > 0 and cfg.rope_factor > 1:
-    scale *= (0.1 * cfg.mscale * math.log(cfg.rope_factor) + 1.0) ** 2
+  if cfg.rope_type == "yarn" and cfg.mscale:  # transformers' yarn_apply_mscale: any non-zero mscale_all_dim
+    scale *= yarn_mscale(cfg.rope_factor, cfg.mscale) ** 2
   return scale
 
 
@@ -55,9 +56,9 @@ class MlaAttention(Attention):
     )
     k_nope, v = kv[..., :nope], kv[..., nope:]
 
-    frequencies, _ = rope_frequencies(cfg, rope)  # yarn's scale is in the softmax scale here (mla_query_scale)
-    q_rope = apply_rope(q[..., nope:], positions, frequencies)
-    k_rope = apply_rope(k_rope[:, :, None, :], positions, frequencies)
+    frequencies, cos_sin = rope_frequencies(cfg, rope)
+    q_rope = apply_rope(q[..., nope:], positions, frequencies, cos_sin)
+    k_rope = apply_rope(k_rope[:, :, None, :], positions, frequencies, cos_sin)
     q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope))], axis=-1)
     q = nn.with_logical_constraint(q, (BATCH, LENGTH, "activation_heads", "activation_kv"))

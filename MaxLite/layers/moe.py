@@ -39,7 +39,8 @@ def load_balance_loss(stats: dict) -> jax.Array:
   """MaxText's load-balancing loss (RoutedMoE.load_balance_loss) from routing sums, before its weight.
 
   Per sequence b: density_be = top-k assignments to expert e per token (summing to top_k over e; assignments later
-  dropped for capacity count too), density_prob_be = mean router probability of e; the sequence's loss is
+  dropped for capacity count too), density_prob_be = mean router probability of e (with sigmoid routing, the score
+  normalised over the experts, as in DeepSeek-V3's sequence-wise balance loss); the sequence's loss is
   num_experts**2 * mean_e(density_be * density_prob_be), top_k when routing is balanced. MaxText averages it over
   the batch's sequences; here each sequence is weighted by its real tokens (padding is not routed), the same on a
   batch without padding, and a sum over sequences, so it adds up however the batch is split (data shards,
@@ -72,7 +73,10 @@ def choose_experts(
   weights = weights * routing.scaling if routing.scaling != 1.0 else weights
   choice = jax.nn.one_hot(experts, e, dtype=jnp.float32) * token_mask[..., None, None]  # [b, s, k, e]
   assigned = jnp.sum(choice, axis=(1, 2))  # [b, e]
-  prob_sum = jnp.sum(probs * token_mask[..., None], axis=1)  # [b, e]
+  # The balancing loss's router probabilities must sum to 1 over the experts for its scale (top_k when balanced):
+  # sigmoid scores are normalised per token, DeepSeek-V3's affinities s_e / sum_j s_j in its sequence-wise balance loss.
+  balance_probs = probs / jnp.sum(probs, axis=-1, keepdims=True) if routing.score_func == "sigmoid" else probs
+  prob_sum = jnp.sum(balance_probs * token_mask[..., None], axis=1)  # [b, e]
   tokens = jnp.sum(token_mask, axis=1)  # [b]
   # tokens_b * num_experts * sum_e density_be * density_prob_be, with both densities over tokens_b: see
   # load_balance_loss. A sequence of padding only adds 0.
@@ -144,8 +148,12 @@ class MoeBlock(nn.Module):
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     n, emb, mlp = cfg.num_experts, cfg.base_emb_dim, cfg.moe_mlp_dim
+    # float32_gate_logits: in bfloat16, logits closer than the type's spacing (2^-7 at 1) round to a tie that top_k
+    # breaks by index, so a bfloat16 model would route unlike its float32 self and unlike transformers' DeepSeek-V3
+    # router, which casts both operands to float32.
+    gate_dtype = jnp.float32 if cfg.float32_gate_logits else dtype
     router_logits = DenseGeneral(
-      n, ("embed", None), dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
+      n, ("embed", None), dtype=gate_dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
     )(x)
     routing = Routing(
       score_func=cfg.routed_score_func or "softmax",

@@ -2,7 +2,8 @@
 
 rope_type (MaxText's key): `default` (Llama 2/3, Qwen: theta**(-2i/d)), `llama3.1` (Llama 3.1+: long wavelengths
 divided by rope_factor, a smooth blend between low_freq and high_freq wavelengths) and `yarn` (YaRN: a ramp between
-interpolated and original frequencies by rotation count, plus an attention scale on cos/sin). The schedules are
+interpolated and original frequencies by rotation count, plus a factor on cos/sin: rope_attention_factor, by default
+as transformers derives it from rope_factor and mscale). The schedules are
 numbers fixed by the config, computed once in float32 numpy in the order transformers (and Meta's reference code)
 computes them: equal to transformers' to within one float32 ulp (libraries round float32 pow differently).
 """
@@ -46,7 +47,7 @@ def yarn_frequencies(
 ) -> tuple[np.ndarray, float]:
   """YaRN (Peng et al. 2023): pairs that turn more than beta_fast times over the original context keep their
   frequency, fewer than beta_slow times are interpolated by `factor`, linear in between. Returns (frequencies,
-  the factor cos and sin are multiplied by: 0.1 ln(factor) + 1)."""
+  the paper's cos/sin factor 0.1 ln(factor) + 1; a config's own is yarn_attention_factor)."""
   wavelength_scale = np.float32(theta) ** _exponents(head_dim)  # 1 / frequency
 
   def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
@@ -66,6 +67,34 @@ def yarn_frequencies(
   return interpolated * (1 - keep) + original * keep, scale
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1): transformers' get_mscale."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def hf_yarn_attention_factor(
+  factor: float, attention_factor: float | None, mscale: float | None, mscale_all_dim: float | None
+) -> float:
+  """The factor transformers multiplies YaRN's cos/sin by (modeling_rope_utils._compute_yarn_parameters): an explicit
+  attention_factor, else the mscale / mscale_all_dim ratio when both are set (non-zero), else yarn_mscale(factor).
+  So mscale alone changes nothing and mscale_all_dim alone scales only DeepSeek's softmax."""
+  if attention_factor is not None:
+    return float(attention_factor)
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor)
+
+
+def yarn_attention_factor(c: Any) -> float:
+  """The config's YaRN cos/sin factor: rope_attention_factor, or -1 read as transformers reads a config.json whose
+  mscale and mscale_all_dim are both MaxLite's mscale (DeepSeek's checkpoints): their ratio 1 for MLA with mscale
+  set, else yarn_mscale(rope_factor). MLA's mscale is mscale_all_dim; other attention has no softmax mscale."""
+  if c.rope_attention_factor != -1:
+    return float(c.rope_attention_factor)
+  mscale = c.mscale if c.attention_type == "mla" else 0.0
+  return hf_yarn_attention_factor(c.rope_factor, None, mscale, mscale)
+
+
 def rope_frequencies(c: Any, head_dim: int = 0) -> tuple[np.ndarray, float]:
   """(float32 frequencies [head_dim / 2], cos/sin scale) for the config's rope_type; head_dim 0 = the config's (MLA
   rotates qk_rope_head_dim features)."""
@@ -76,7 +105,7 @@ def rope_frequencies(c: Any, head_dim: int = 0) -> tuple[np.ndarray, float]:
       freq, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.original_max_position_embeddings
     )
   elif c.rope_type == "yarn":
-    freq, scale = yarn_frequencies(
+    freq, _ = yarn_frequencies(
       head_dim,
       c.rope_max_timescale,
       c.rope_factor,
@@ -85,6 +114,7 @@ def rope_frequencies(c: Any, head_dim: int = 0) -> tuple[np.ndarray, float]:
       c.beta_slow,
       c.rope_truncate,
     )
+    scale = yarn_attention_factor(c)
   if c.rope_linear_scaling_factor != 1.0:  # positions divided by the factor (transformers' rope_type linear)
     freq = freq / np.float32(c.rope_linear_scaling_factor)
   return np.asarray(freq, np.float32), float(scale)

@@ -9,6 +9,7 @@ Multi-token prediction (mtp_num_layers) is not built: transformers' DeepseekV3Fo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from MaxLite.layers.mlp import MlpBlock
 from MaxLite.layers.moe import MoeBlock
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.layers.rope import hf_yarn_attention_factor, yarn_attention_factor, yarn_mscale
 from MaxLite.models.llama import attention_parameters, moe_mlp_dim
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
@@ -227,25 +229,51 @@ def layer_tensors(config: Any, layer: int) -> list[Tensor]:
 
 
 def _rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
-  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  """config.json's RoPE as transformers 5 reads it: rope_scaling (4.x's key) before rope_parameters, theta from
+  either; YaRN's two factors as transformers computes them (layers/rope.py hf_yarn_attention_factor)."""
+  rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
   theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
   kind = rope.get("rope_type", rope.get("type", "default"))
   if kind == "default":
     return {"rope_type": "default", "rope_max_timescale": theta}
   if kind != "yarn":
     raise InputError(f"{source}: rope_type={kind!r} is not supported for DeepSeek (default, yarn)")
-  mscale, mscale_all_dim = rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
-  if rope.get("attention_factor") is not None or (mscale and mscale != mscale_all_dim):
-    raise InputError(f"{source}: yarn with mscale != mscale_all_dim or an attention_factor is not supported")
+  if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+    raise InputError(f"{source}: rope_type=yarn needs factor and original_max_position_embeddings")
+  factor = float(rope["factor"])
+  mscale_all_dim = rope.get("mscale_all_dim") or 0.0
+  cos_sin = hf_yarn_attention_factor(factor, rope.get("attention_factor"), rope.get("mscale"), mscale_all_dim)
   return {
     "rope_type": "yarn",
     "rope_max_timescale": theta,
-    "rope_factor": float(rope["factor"]),
+    "rope_factor": factor,
     "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
     "beta_fast": float(rope.get("beta_fast") or 32),
     "beta_slow": float(rope.get("beta_slow") or 1),
     "rope_truncate": bool(rope.get("truncate", True)),
-    "mscale": float(mscale_all_dim),
+    "mscale": float(mscale_all_dim),  # the softmax's (transformers' yarn_apply_mscale)
+    "rope_attention_factor": cos_sin,
+  }
+
+
+def _hf_yarn(config: Any) -> dict[str, Any]:
+  """The YaRN keys of config.json. attention_factor is what transformers (4.x and 5) multiplies cos/sin by; vLLM
+  reads only the mscale / mscale_all_dim ratio, so mscale is chosen to give the same factor there."""
+  factor, all_dim, cos_sin = config.rope_factor, config.mscale, yarn_attention_factor(config)
+  if factor <= 1 or cos_sin == (1.0 if all_dim else yarn_mscale(factor)):
+    mscale = all_dim if all_dim else 1.0  # the factor the pair's ratio already gives
+  else:  # yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) = cos_sin
+    mscale = (cos_sin * yarn_mscale(factor, all_dim) - 1.0) / (0.1 * math.log(factor))
+  return {
+    "rope_type": "yarn",
+    "factor": factor,
+    "original_max_position_embeddings": config.original_max_position_embeddings,
+    "beta_fast": config.beta_fast,
+    "beta_slow": config.beta_slow,
+    "mscale": mscale,
+    "mscale_all_dim": all_dim,
+    "attention_factor": cos_sin,
+    "truncate": config.rope_truncate,
   }
 
 
@@ -297,23 +325,13 @@ def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None)
     raise InputError(
       "to_hf: DeepseekV3ForCausalLM needs attention_type=mla, routed_score_func=sigmoid, routed_bias=true"
     )
-  rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_max_timescale}
-  if config.rope_type == "yarn":
-    rope = {
-      "rope_type": "yarn",
-      "rope_theta": config.rope_max_timescale,
-      "factor": config.rope_factor,
-      "original_max_position_embeddings": config.original_max_position_embeddings,
-      "beta_fast": config.beta_fast,
-      "beta_slow": config.beta_slow,
-      "mscale": config.mscale,
-      "mscale_all_dim": config.mscale,
-      "truncate": config.rope_truncate,
-    }
-  elif config.rope_type != "default":
+  if config.rope_type not in ("default", "yarn"):
     raise InputError(f"to_hf: DeepseekV3ForCausalLM takes rope_type default or yarn, not {config.rope_type}")
+  scaling = _hf_yarn(config) if config.rope_type == "yarn" else None
   grouped = config.n_routing_groups > 1
-  context = config.max_position_embeddings if config.max_position_embeddings > 0 else config.max_target_length
+  context = config.max_position_embeddings
+  if context < 1:  # transformers 4.x's yarn takes max_position_embeddings / original as the factor: keep them equal
+    context = int(config.original_max_position_embeddings * config.rope_factor) if scaling else config.max_target_length
   return {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -339,7 +357,7 @@ def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None)
     "routed_scaling_factor": config.routed_scaling_factor,
     "n_group": config.n_routing_groups if grouped else 1,
     "topk_group": config.topk_routing_group if grouped else 1,
-    "rope_parameters": rope,
+    **hf_layout.rope_keys(config.rope_max_timescale, scaling),
     "rope_interleave": True,
     "attention_bias": False,
     "tie_word_embeddings": config.logits_via_embedding,

@@ -190,9 +190,9 @@ def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None)
     raise InputError(
       "to_hf: Gemma3ForCausalLM has q/k norms and post-attention and post-MLP norms; this model lacks some"
     )
-  full = {"rope_type": "default", "rope_theta": config.rope_max_timescale}
+  scaling = None
   if config.rope_linear_scaling_factor != 1.0:
-    full = {"rope_type": "linear", "factor": config.rope_linear_scaling_factor, "rope_theta": config.rope_max_timescale}
+    scaling = {"rope_type": "linear", "factor": config.rope_linear_scaling_factor}
   local_theta = config.local_rope_max_timescale if config.local_rope_max_timescale > 0 else config.rope_max_timescale
   layers = config.base_num_decoder_layers
   return {
@@ -210,8 +210,13 @@ def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None)
     "rms_norm_eps": config.normalization_layer_epsilon,
     "sliding_window": config.sliding_window_size,
     "layer_types": ["sliding_attention" if is_local(i) else "full_attention" for i in range(layers)],
+    # Both forms (hf_layout.rope_keys): transformers 4.x and vLLM read rope_theta, rope_scaling (the global layers')
+    # and rope_local_base_freq, and would drop the global layers' linear scaling found in rope_parameters alone.
+    "rope_theta": config.rope_max_timescale,
+    "rope_scaling": scaling,
+    "rope_local_base_freq": local_theta,
     "rope_parameters": {
-      "full_attention": full,
+      "full_attention": hf_layout.rope_keys(config.rope_max_timescale, scaling)["rope_parameters"],
       "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
     },
     "attn_logit_softcapping": config.attn_logits_soft_cap or None,

@@ -30,6 +30,10 @@ from MaxLite.training import loss
 
 # TRL's names for the implicit-reward metrics (each a sum over pairs in dpo_sums; a mean per pair when logged).
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+# A pair's margin within this fraction of its four summed log-probabilities' magnitudes is a tie (8 float32 roundings):
+# the policy's and the reference's forward passes are compiled apart (on a sharded mesh, partitioned apart too), so a
+# policy equal to its reference differs from it by roundings, never by a preference.
+TIE_RESOLUTION = 2.0**-20
 
 
 def response_log_probs(token_log_probs: jax.Array, target_segments: jax.Array) -> tuple[jax.Array, ...]:
@@ -71,16 +75,20 @@ def dpo_sums(
   label_smoothing: float,
 ) -> dict[str, jax.Array]:
   """The loss and TRL's metrics summed over valid pairs, from (chosen, rejected) log-probabilities of the policy and
-  the frozen reference; "pairs" counts them. rewards/accuracies counts pairs whose chosen reward is strictly higher."""
+  the frozen reference; "pairs" counts them. rewards/accuracies counts the pairs whose chosen reward is higher: a tie
+  is not a win, as in TRL ((chosen_rewards > rejected_rewards).float()), and a margin within rounding (TIE_RESOLUTION)
+  is a tie."""
   chosen_reward = beta * (policy[0] - reference[0])
   rejected_reward = beta * (policy[1] - reference[1])
   logits = chosen_reward - rejected_reward
+  magnitude = beta * (jnp.abs(policy[0]) + jnp.abs(policy[1]) + jnp.abs(reference[0]) + jnp.abs(reference[1]))
+  wins = logits > TIE_RESOLUTION * magnitude
   losses = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(logits) - label_smoothing * jax.nn.log_sigmoid(-logits)
   return {
     "dpo_loss_sum": jnp.sum(losses * valid),
     "rewards/chosen": jnp.sum(chosen_reward * valid),
     "rewards/rejected": jnp.sum(rejected_reward * valid),
-    "rewards/accuracies": jnp.sum((chosen_reward > rejected_reward) * valid),
+    "rewards/accuracies": jnp.sum(wins * valid),
     "rewards/margins": jnp.sum(logits * valid),
     "pairs": jnp.sum(valid),
   }

@@ -88,8 +88,10 @@ def describe(config: Config, abstract: Any) -> str:
   trained = lora.count(abstract.params)
   total = trained + config.num_params  # not the frozen tree's size: QLoRA's holds scales besides the weights
   modules = lora.adapted_modules(abstract.params)
+  moving_bias = config.routed_bias and config.routed_bias_update_rate > 0  # not moved: train_step.train_step says why
   return (
     f"LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g}: {trained:,} trainable parameters of {total:,} "
     f"({100 * trained / total:.3f}%), adapters on {len(modules)} projections ({', '.join(modules[:3])}"
     f"{', ...' if len(modules) > 3 else ''}); the base is frozen"
+    + (", its routing bias too (routed_bias_update_rate is for full training)" if moving_bias else "")
   )

@@ -4,6 +4,7 @@ metrics.jsonl and as tensorboard scalars (process 0 only)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -28,13 +29,30 @@ class NonFiniteLossError(MaxLiteError):
 _OBJECT_REWRITE_S = 10.0
 
 
-class _ObjectLines:
-  """Append-only lines kept in an object-store file by rewriting it (the rows before a resume included)."""
+def rows_up_to(text: str, step: int) -> str:
+  """The complete rows of a metrics.jsonl text whose step is at most `step`. A run resumed at `step` replays the
+  steps after it, so the rows it wrote for them before it stopped go (with a last line a kill cut short): one row
+  per logged step, the replayed run's."""
+  kept = []
+  for line in text.splitlines(keepends=True):
+    try:
+      row = json.loads(line) if line.endswith("\n") else None
+    except ValueError:
+      row = None
+    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+      kept.append(line)
+  return "".join(kept)
 
-  def __init__(self, path: str):
+
+class _ObjectLines:
+  """Append-only lines kept in an object-store file by rewriting it (the rows up to a resumed step included)."""
+
+  def __init__(self, path: str, resumed_at: int | None = None):
     self._path = path
-    self._text = storage.read_text(path) if storage.exists(path) else ""
-    self._dirty, self._written = False, time.monotonic()
+    stored = storage.read_text(path) if storage.exists(path) else ""
+    self._text = stored if resumed_at is None else rows_up_to(stored, resumed_at)
+    # Rows dropped for a resume leave the store at the first rewrite, before any replayed row could be read there.
+    self._dirty, self._written = self._text != stored, time.monotonic()
 
   def write(self, line: str) -> None:
     self._text += line
@@ -50,6 +68,16 @@ class _ObjectLines:
   def close(self, store: bool = True) -> None:
     if store:
       self.flush()
+
+
+def _drop_local_rows_after(path: str, step: int) -> None:
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  kept = rows_up_to(text, step)
+  if kept != text:  # replaced whole, so a kill now leaves either file, never half of one
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+      f.write(kept)
+    os.replace(f"{path}.tmp", path)
 
 
 def _summary_writer() -> type:
@@ -68,18 +96,22 @@ def _summary_writer() -> type:
 
 
 class MetricsWriter:
-  """Writes rows to <run_dir>/metrics.jsonl and tensorboard; no-op on processes other than 0."""
+  """Writes rows to <run_dir>/metrics.jsonl and tensorboard; no-op on processes other than 0. `resumed_at`: the step
+  the run starts after (its restored checkpoint's, 0 for a fresh start); the file's rows after it are dropped, since
+  the run writes them again. None keeps every row."""
 
-  def __init__(self, config: Config, is_primary: bool):
+  def __init__(self, config: Config, is_primary: bool, resumed_at: int | None = None):
     self._active = is_primary
     self._tensorboard = None
     self._jsonl = None
     if not is_primary:
       return
     if storage.is_url(config.metrics_file):
-      self._jsonl = _ObjectLines(config.metrics_file)
+      self._jsonl = _ObjectLines(config.metrics_file, resumed_at)
     else:
       storage.makedirs(config.run_dir)
+      if resumed_at is not None and os.path.exists(config.metrics_file):
+        _drop_local_rows_after(config.metrics_file, resumed_at)
       self._jsonl = open(config.metrics_file, "a", encoding="utf-8", buffering=1)  # each row on disk at once
     if config.enable_tensorboard:
       self._tensorboard = _summary_writer()(logdir=config.tensorboard_dir, flush_secs=30)
@@ -170,11 +202,12 @@ class StepLog:
   never waits for the step it just dispatched; `flush` reads the last one now (before a save or an eval).
 
   `guard` (run_lock.hold's) is asked before each row is written whether the run still owns its directory: a run
-  that lost it stops there, on every process, and leaves the new owner's metrics.jsonl as it is."""
+  that lost it stops there, on every process, and leaves the new owner's metrics.jsonl as it is. `resumed_at`: see
+  MetricsWriter."""
 
-  def __init__(self, config: Config, guard: Any = None):
+  def __init__(self, config: Config, guard: Any = None, resumed_at: int | None = None):
     self._config, self._guard = config, guard
-    self._writer = MetricsWriter(config, is_primary=jax.process_index() == 0)
+    self._writer = MetricsWriter(config, is_primary=jax.process_index() == 0, resumed_at=resumed_at)
     self._tflops_per_step = flops.tflops_per_device_per_step(config)
     self.rows: list[dict[str, Any]] = []
     self._diverged: set[str] = set()  # ensemble members already reported as stopped

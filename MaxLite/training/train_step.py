@@ -137,7 +137,9 @@ def train_step(
     new_state = state.apply_gradients(grads=grads)
   else:  # the member's own schedule; its optimizer state has the same structure, so `tx` goes back unchanged
     new_state = state.replace(tx=create_optimizer(config, peak)).apply_gradients(grads=grads).replace(tx=state.tx)
-  if "expert_counts" in aux and config.routed_bias_update_rate > 0:
+  # With LoRA the routing bias belongs to the frozen base, which a LoRA step does not save: moved here it would be
+  # lost at each resume and missing from every export (base + adapters), so it stays as loaded.
+  if "expert_counts" in aux and config.routed_bias_update_rate > 0 and state.frozen is None:
     new_state = new_state.replace(params=update_routing_bias(new_state.params, aux["expert_counts"], config))
   metrics = {
     "loss": aux["loss_sum"] / count,

@@ -121,7 +121,7 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
       _say(_nothing_to_do(config, start_step))
       return []
     evaluator = stack.enter_context(make_evaluator(config, mesh, pieces.shardings, pieces.batch_sharding))
-    log = stack.enter_context(StepLog(config, guard))
+    log = stack.enter_context(StepLog(config, guard, resumed_at=start_step))
     profiler = stack.enter_context(Profiler(config))
     step = start_step
     for step in range(start_step + 1, config.steps + 1):
