@@ -40,11 +40,13 @@ def train_command(*overrides: str) -> list[str]:
 
 
 def launch_command(num_processes: int, devices: int, *overrides: str) -> list[str]:
+  """launch_local.py with every process's lines in its output (the tests read what each process said)."""
   return [
     sys.executable,
     LAUNCH,
     f"--num_processes={num_processes}",
     f"--devices_per_process={devices}",
+    "--show_all_processes",
     BASE_YML,
     *overrides,
   ]

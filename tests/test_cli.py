@@ -57,7 +57,12 @@ TOOLS_TAKING_A_CONFIG = [
   ("train_compile", "maxlite-compile", "main", "CONFIG.yml compile_topology=TOPOLOGY [key=value ...]"),
   ("plan", "maxlite-plan", "main", "CONFIG.yml model_name=llama2-70b compile_topology=v5p-128 [key=value ...]"),
   ("train", "maxlite-train", "script", "CONFIG.yml [key=value ...]"),
-  ("launch_local", "maxlite-launch-local", "main", "[--num_processes=N] [--devices_per_process=M] CONFIG.yml"),
+  (
+    "launch_local",
+    "maxlite-launch-local",
+    "main",
+    "[--num_processes=N] [--devices_per_process=M] [--show_all_processes] CONFIG.yml",
+  ),
 ]
 
 

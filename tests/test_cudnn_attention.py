@@ -70,11 +70,14 @@ def _loss_and_grads(attend, q, k, v, segments):
 @pytest.mark.parametrize("window", [0, 1, 16, 40])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 def test_cudnn_path_equals_dot_product_on_packed_rows(heads, kv_heads, window):
-  q, k, v = _qkv(heads, kv_heads)
-  segments = jnp.asarray(_rows(6))
+  _assert_cudnn_equals_dot_product(_qkv(heads, kv_heads), jnp.asarray(_rows(6)), 4, window)
+
+
+def _assert_cudnn_equals_dot_product(qkv, segments, count, window):
+  """Loss and gradients of the cuDNN path (its XLA implementation, `count` segments per row) = dot_product's."""
   reference = lambda q, k, v: dot_product_attention(q, k, v, attention_mask(segments, window))
-  want = _loss_and_grads(reference, q, k, v, segments)
-  got = _loss_and_grads(lambda q, k, v: cudnn_attention(q, k, v, segments, 4, window, "xla"), q, k, v, segments)
+  want = _loss_and_grads(reference, *qkv, segments)
+  got = _loss_and_grads(lambda q, k, v: cudnn_attention(q, k, v, segments, count, window, "xla"), *qkv, segments)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(g, w, atol=2e-5)
@@ -83,14 +86,8 @@ def test_cudnn_path_equals_dot_product_on_packed_rows(heads, kv_heads, window):
 @pytest.mark.parametrize("window", [0, 16])
 def test_one_document_rows_take_the_public_call_with_sequence_lengths(window):
   """attention_segments=1 (synthetic data): the padding at each row's end as query/key lengths."""
-  q, k, v = _qkv(8, 2)
   segments = jnp.asarray(np.where(np.arange(SEQ) < np.array([[SEQ], [90], [1], [0], [128], [64]]), 1, 0), jnp.int32)
-  reference = lambda q, k, v: dot_product_attention(q, k, v, attention_mask(segments, window))
-  want = _loss_and_grads(reference, q, k, v, segments)
-  got = _loss_and_grads(lambda q, k, v: cudnn_attention(q, k, v, segments, 1, window, "xla"), q, k, v, segments)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-  for g, w in zip(got[1], want[1]):
-    np.testing.assert_allclose(g, w, atol=2e-5)
+  _assert_cudnn_equals_dot_product(_qkv(8, 2), segments, 1, window)
 
 
 def test_values_narrower_than_queries_are_padded_and_cut_back():

@@ -286,7 +286,7 @@ def test_plan_searches_quantization_as_a_dimension(tmp_path):
   assert sum("| int8" in r for r in rows) == 1 and sum("| int8" not in r for r in rows) >= 1, out.stdout
 
 
-def _int8_dots(config) -> int:
+def _int8_matmuls(config) -> int:
   """How many matmuls of the model's forward pass take int8 operands (each traced layer counted once)."""
   import jax.extend as jex
 
@@ -326,8 +326,8 @@ PROJECTIONS_PER_FAMILY = [
 
 @pytest.mark.parametrize("model, options, projections", PROJECTIONS_PER_FAMILY)
 def test_every_projection_of_every_family_is_quantized(model, options, projections):
-  assert _int8_dots(make_config(f"model_name={model}", "max_target_length=32", *options, *INT8)) == projections
-  assert _int8_dots(make_config(f"model_name={model}", "max_target_length=32", *options)) == 0
+  assert _int8_matmuls(make_config(f"model_name={model}", "max_target_length=32", *options, *INT8)) == projections
+  assert _int8_matmuls(make_config(f"model_name={model}", "max_target_length=32", *options)) == 0
 
 
 def test_gpus_are_known_by_device_kind_with_their_fp8_and_int8_rates():
