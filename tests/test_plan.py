@@ -805,3 +805,13 @@ def test_collectives_across_slices_are_read_from_the_megascale_transfers():
   assert found["ops"] == [["all-reduce", ["data"], 2, "dcn", True]] and found["assumed"] == []
   gradients = found["params"] * 4 / found["fsdp"]
   assert gradients <= found["moved"] <= 1.1 * gradients, found
+
+
+def test_the_progress_bar_fills_with_the_budget_when_the_queue_cannot_be_finished():
+  """1,473 queued plans against a budget that allows dozens: the bar stayed empty to the end; it now shows the larger
+  share done of the two limits, and the time spent."""
+  from MaxLite.planning import search
+
+  half_time = search._progress_line([], 1473, elapsed=300, budget=600)
+  assert half_time.startswith("plan: [" + "#" * 10 + " " * 10 + "] 0 compiled, 1473 queued, 300/600 s"), half_time
+  assert search._progress_line([], 3, elapsed=0, budget=600).startswith("plan: [" + " " * 20 + "]")

@@ -27,6 +27,7 @@ from MaxLite.cli.errors import first_line
 from MaxLite.parallel import topologies
 from MaxLite.planning.candidates import Candidate
 
+PROGRESS_EVERY_S = 15.0  # a progress line at least this often while compiles run
 _IGNORED = {"run_name", "run_dir", "tensorboard_dir", "checkpoint_dir", "metrics_file", "base_output_directory"}
 _IGNORED |= {"plan_time_budget_s", "plan_top_n", "plan_workers", "plan_cache_dir"}
 
@@ -202,6 +203,11 @@ def run_search(
   )
   running: dict[concurrent.futures.Future, tuple[Candidate, str]] = {}
   failures = 0
+  if todo:  # the first answers take a while (workers start, then a whole compile each): say what is going on
+    progress(
+      f"plan: compiling {len(todo)} plans ({len(results)} found in the cache) in {max(1, workers)} processes, "
+      f"within plan_time_budget_s={budget_s:g}"
+    )
   try:
     while todo or running:
       best = _best_seconds_per_token(results)
@@ -219,7 +225,11 @@ def run_search(
         running[pool.submit(evaluate, plan.config, target.name, num_slices, hbm_gib)] = (plan, path)
       if not running:
         break
-      done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      done, _ = concurrent.futures.wait(
+        running, timeout=PROGRESS_EVERY_S, return_when=concurrent.futures.FIRST_COMPLETED
+      )
+      if not done:  # still compiling: the bar moves with the time spent too
+        progress(_progress_line(results, len(todo) + len(running), time.monotonic() - start, budget_s))
       for future in done:
         plan, path = running.pop(future)
         try:
@@ -268,8 +278,11 @@ def _best_seconds_per_token(results: list[Result]) -> float | None:
 
 
 def _progress_line(results: list[Result], left: int, elapsed: float, budget: float) -> str:
+  """The search ends when the plans run out or the budget does, whichever is first: the bar shows the larger share
+  done of the two (hundreds of queued plans against a budget that allows dozens left it empty to the end)."""
   done = len(results)
-  bar = "#" * int(20 * done / max(done + left, 1))
+  share = max(done / max(done + left, 1), min(elapsed / budget, 1.0) if budget > 0 else 0.0)
+  bar = "#" * int(20 * share)
   fitting = [r for r in results if r.fits and r.prediction]
   best = max((r.prediction["mfu"] for r in fitting), default=None)
   best_text = f", best predicted MFU {100 * best:.1f}%" if best is not None else ""
