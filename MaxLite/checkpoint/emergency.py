@@ -42,8 +42,7 @@ from MaxLite.checkpoint.reads import read
 from MaxLite.cli.errors import CheckpointError, InputError
 from MaxLite.config import Config
 from MaxLite.config.choices import MESH_AXES
-
-DATA_POSITIONS = "data_positions"
+from MaxLite.storage.layout import DATA_POSITIONS
 
 
 def local_directory(config: Config) -> str:

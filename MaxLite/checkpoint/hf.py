@@ -22,7 +22,7 @@ from MaxLite import builder, models, storage
 from MaxLite import config as config_lib
 from MaxLite.checkpoint import STATE, lora_steps, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
-from MaxLite.checkpoint.hf_layout import part_slice
+from MaxLite.checkpoint.hf_layout import layer_slot, part_slice
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.checkpoint.tokenizer_export import write_tokenizer
 from MaxLite.cli.errors import InputError
@@ -71,7 +71,7 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   for t in family.hf.global_tensors(config):
     _set(params, t.path, _converted(reader, t.hf_name, t.to_maxlite).astype(dtype))
   for i in range(n):
-    stack, j = _layer_slot(family, config, i)
+    stack, j = layer_slot(family, config, i)
     for t in family.hf.layer_tensors(config, i):
       value = _read_layer_tensor(reader, t, i, config.num_experts)
       path = f"decoder/{stack.name}/{t.path}" if config.scan_layers else f"decoder/{stack.name}_{j}/{t.path}"
@@ -87,15 +87,6 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
       layer[part_slice(t.part) if t.part is not None else ...] = value
   _check_against_model(params, config)
   return save_params(params, config, output_path)
-
-
-def _layer_slot(family: models.Family, config: Any, layer: int) -> tuple[models.Stack, int]:
-  """The stack (decoder/<name>) that holds a layer, and the layer's index in it."""
-  for stack in family.stacks(config):
-    if layer < stack.count:
-      return stack, layer
-    layer -= stack.count
-  raise IndexError(layer)
 
 
 def _model_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -200,7 +191,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str], adapter: 
   for t in family.hf.global_tensors(config):
     add(t.hf_name, _get(params, t.path), t.to_hf)
   for i in range(config.base_num_decoder_layers):
-    stack, j = _layer_slot(family, config, i)
+    stack, j = layer_slot(family, config, i)
     for t in family.hf.layer_tensors(config, i):
       if config.scan_layers:
         value = _get(params, f"decoder/{stack.name}/{t.path}")[j]

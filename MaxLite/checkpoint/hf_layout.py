@@ -360,3 +360,13 @@ def global_tensors(tied: bool) -> list[Tensor]:
   if not tied:
     out.append(Tensor("logits_dense/kernel", "lm_head.weight", *_TRANSPOSED))
   return out
+
+
+def layer_slot(family: Any, config: Any, layer: int) -> tuple[Any, int]:
+  """The stack (decoder/<name>, a models.Stack) that holds Hugging Face layer `layer` of `family`, and the layer's
+  index in it."""
+  for stack in family.stacks(config):
+    if layer < stack.count:
+      return stack, layer
+    layer -= stack.count
+  raise IndexError(layer)

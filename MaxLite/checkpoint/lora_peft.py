@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 
 from MaxLite import models, storage
-from MaxLite.checkpoint.hf import _layer_slot
+from MaxLite.checkpoint.hf_layout import layer_slot
 from MaxLite.checkpoint.safetensors_io import read_file, write_file
 from MaxLite.cli.errors import CheckpointError
 
@@ -42,7 +42,7 @@ def _projections(config: Any) -> Iterator[tuple[str, list[str], int | None, Any]
   every layer projection the family's Hugging Face map has."""
   family = models.family(config.decoder_block)
   for i in range(config.base_num_decoder_layers):
-    stack, j = _layer_slot(family, config, i)
+    stack, j = layer_slot(family, config, i)
     for t in family.hf.layer_tensors(config, i):
       if not (t.path.endswith("/kernel") and t.hf_name.endswith(".weight")) or "{e}" in t.hf_name:
         continue

@@ -27,6 +27,7 @@ from MaxLite.checkpoint import CONFIG, CONFIG_FILE, DATA_ITER, STATE, agreement
 from MaxLite.checkpoint.reads import DamagedFileError, UnreadableCheckpointError, read
 from MaxLite.cli.errors import CheckpointError, InputError, first_line
 from MaxLite.config import Config
+from MaxLite.storage.layout import COMMIT_MARKER, is_finalized, step_numbers
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -372,22 +373,6 @@ def check_compatible(state_dir: str, target: Any) -> None:
         f"checkpoint {state_dir}: '{name}' has shape {tuple(saved[name].shape)} in the "
         f"checkpoint but {tuple(want.shape)} in this config"
       )
-
-
-# What orbax writes last into a step on an object store (where it cannot rename a finished directory).
-COMMIT_MARKER = "commit_success.txt"
-
-
-def is_finalized(step_dir: str) -> bool:
-  """A local step directory exists only once complete; a gs:// one needs its commit marker."""
-  return not storage.is_url(step_dir) or storage.exists(storage.join(step_dir, COMMIT_MARKER))
-
-
-def step_numbers(directory: str) -> list[int]:
-  """Complete steps in a checkpoints directory, ascending (in-progress saves are `<step>.orbax-checkpoint-tmp*`
-  on disk and steps without a commit marker on gs://)."""
-  names = [name for name in storage.listdir(directory) if name.isdigit()]
-  return sorted(int(name) for name in names if is_finalized(storage.join(directory, name)))
 
 
 def incomplete_saves(directory: str) -> list[str]:

@@ -37,6 +37,10 @@ ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_f
 ROPE_TYPES = ("default", "llama3.1", "yarn")
 PROFILERS = ("", "xplane")
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+# lora_module_path's default: every attention projection (q/k/v/out, the fused qkv, MLA's) and MLP projection (gate,
+# up, down; DeepSeek's shared experts) of every layer. A pipelined run applies each layer as a module of its own, so
+# the prefix is optional. Here, not in layers/lora.py, so config validation can match it without importing layers.
+LORA_DEFAULT_MODULES = r"(decoder/\w*layers(_\d+)?/)?(self_attention/\w+|mlp/\w+|shared_experts/\w+)"
 LORA_WEIGHT_QTYPES = ("", "nf4", "int8", "int4")  # QLoRA: how Qwix stores the frozen base (layers/lora.py)
 QUANTIZATIONS = ("", "int8", "fp8", "fp8_full")  # quantized training through Qwix (layers/quantization.py)
 # Qwix's calibration methods (qwix/_src/core/qarray.py calibrate): absmax or minmax with an optional scale, rms with

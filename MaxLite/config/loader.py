@@ -23,7 +23,7 @@ from absl import logging
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import maxtext_compat, validation
-from MaxLite.storage.layout import saved_config_path, step_dir_of
+from MaxLite.storage.layout import DATA_POSITIONS, saved_config_path, step_dir_of, step_numbers
 
 BASE_CONFIG_PATH = os.path.join(storage.configs_dir(), "base.yml")
 MODELS_DIR = os.path.join(storage.configs_dir(), "models")
@@ -302,10 +302,6 @@ def _resumed_step(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | Non
   """(directory, saved config) of the newest step a training run of this run_name resumes; None for a new run."""
   if not (config["enable_checkpointing"] and config["run_name"]):
     return None
-  # Imported here: they need jax and orbax, and only a training run resumes.
-  from MaxLite.checkpoint.emergency import DATA_POSITIONS
-  from MaxLite.checkpoint.manager import step_numbers
-
   run_dir = storage.join(storage.absolute(config["base_output_directory"]), config["run_name"])
   # Emergency checkpoints keep each step's config beside its data positions, local steps' too.
   folder = storage.join(run_dir, DATA_POSITIONS if config["enable_emergency_checkpoint"] else "checkpoints")

@@ -26,6 +26,7 @@ from MaxLite.config.choices import (
   DTYPES,
   FILE_SUFFIXES,
   FILE_TYPES,
+  LORA_DEFAULT_MODULES,
   LORA_WEIGHT_QTYPES,
   MESH_AXES,
   PLACEMENTS,
@@ -196,9 +197,7 @@ def _check_qlora_tiles(c: dict[str, Any]) -> None:
   tile = c["lora_tile_size"]
   if not (c["enable_lora"] and c["lora_weight_qtype"] and tile > 0):
     return
-  from MaxLite.layers.lora import DEFAULT_MODULES  # only a QLoRA run with tiles gets here
-
-  pattern = c["lora_module_path"] or DEFAULT_MODULES
+  pattern = c["lora_module_path"] or LORA_DEFAULT_MODULES
   adapted = [(path, key, size) for path, key, size in qlora_contractions(c) if re.fullmatch(pattern, path)]
   for path, key, size in adapted:
     if size % tile:

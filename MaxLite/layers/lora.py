@@ -21,16 +21,14 @@ from typing import Any
 from flax import traverse_util
 
 from MaxLite.cli.errors import ConfigError
+from MaxLite.config.choices import LORA_DEFAULT_MODULES
 
-# Every attention projection (q/k/v/out, the fused qkv, MLA's) and MLP projection (gate, up, down; DeepSeek's shared
-# experts) of every layer. A pipelined run applies each layer as a module of its own, so the prefix is optional.
-DEFAULT_MODULES = r"(decoder/\w*layers(_\d+)?/)?(self_attention/\w+|mlp/\w+|shared_experts/\w+)"
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 MOE_BLOCK = "moe"  # the name every family gives its layers.moe.MoeBlock: the routed experts and their router
 
 
 def module_path(config: Any) -> str:
-  return config.lora_module_path or DEFAULT_MODULES
+  return config.lora_module_path or LORA_DEFAULT_MODULES
 
 
 def with_lora(model: Any, config: Any, adapters: bool = True) -> Any:
