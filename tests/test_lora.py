@@ -84,27 +84,11 @@ def test_only_the_adapters_train_are_saved_and_resume_bit_for_bit(tmp_path, base
 @pytest.mark.slow
 def test_the_base_never_changes_and_gets_no_gradient(tmp_path, base):
   """One step of the jitted train step: the adapters move, the frozen base comes back bit for bit."""
-  from flax.linen import partitioning as nn_partitioning
-
-  from MaxLite import builder
-  from MaxLite.data import BATCH_KEYS
-  from MaxLite.parallel import sharding as sharding_lib
-  from MaxLite.parallel.mesh import create_mesh
-  from MaxLite.training.trainer import initial_state
 
   config = make_config(
     *COMMON, *LORA, "dataset_type=synthetic", f"load_parameters_path={base}", "lora_module_path=.*wo"
   )
-  mesh = create_mesh(config, first_devices(1))
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    pieces = builder.training(config, mesh)
-    state, _ = initial_state(config, pieces)
-    before = jax.tree.map(np.asarray, (state.frozen, state.params))
-    ids = np.random.default_rng(0).integers(1, 8192, (4, 64)).astype(np.int32)
-    batch = {k: ids if "segmentation" not in k and "position" not in k else np.ones_like(ids) for k in BATCH_KEYS}
-    batch["inputs_position"] = np.broadcast_to(np.arange(64, dtype=np.int32), ids.shape).copy()
-    new, metrics = pieces.step(state, batch)
-    after = jax.tree.map(np.asarray, (new.frozen, new.params))
+  before, after, metrics = _one_step(config, rows=4, seq=64)
   jax.tree.map(np.testing.assert_array_equal, after[0], before[0])
   # Only the MLP's down projections carry adapters (lora_module_path=.*wo); B starts at zero, and both move.
   assert {p[-2] for p in _paths(after[1])} == {"wo"}
@@ -246,13 +230,6 @@ def test_deepseek_lora_adapts_attention_and_shared_experts_and_a_step_keeps_the_
   shared experts (a path containing "moe" is not a routed expert; only the MoE block's own modules are). One step
   with routed_bias_update_rate > 0 (tiny-deepseek's 0.001) trains the adapters and returns the whole base, routing
   bias included, bit for bit: the bias is part of the frozen base, which a LoRA checkpoint does not hold."""
-  from flax.linen import partitioning as nn_partitioning
-
-  from MaxLite import builder
-  from MaxLite.data import BATCH_KEYS
-  from MaxLite.parallel import sharding as sharding_lib
-  from MaxLite.parallel.mesh import create_mesh
-  from MaxLite.training.trainer import initial_state
 
   config = make_config(
     *COMMON,
@@ -263,16 +240,7 @@ def test_deepseek_lora_adapts_attention_and_shared_experts_and_a_step_keeps_the_
     *LORA,
   )
   assert config.routed_bias_update_rate > 0
-  mesh = create_mesh(config, first_devices(1))
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    pieces = builder.training(config, mesh)
-    state, _ = initial_state(config, pieces)
-    before = jax.tree.map(np.asarray, (state.frozen, state.params))
-    ids = np.random.default_rng(0).integers(1, 8192, (2, 32)).astype(np.int32)
-    batch = {k: ids if "segmentation" not in k and "position" not in k else np.ones_like(ids) for k in BATCH_KEYS}
-    batch["inputs_position"] = np.broadcast_to(np.arange(32, dtype=np.int32), ids.shape).copy()
-    new, metrics = pieces.step(state, batch)
-    after = jax.tree.map(np.asarray, (new.frozen, new.params))
+  before, after, metrics = _one_step(config, rows=2, seq=32)
   from MaxLite.layers import lora
 
   modules = lora.adapted_modules(after[1])
@@ -431,3 +399,25 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
     first_devices(1),
   )
   np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)
+
+
+def _one_step(config, rows: int, seq: int) -> tuple:
+  """One LoRA train step from the config's start on one device: ((frozen, params) before, the same after, metrics)."""
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite import builder
+  from MaxLite.data import BATCH_KEYS
+  from MaxLite.parallel import sharding as sharding_lib
+  from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training.trainer import initial_state
+
+  mesh = create_mesh(config, first_devices(1))
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
+    pieces = builder.training(config, mesh)
+    state, _ = initial_state(config, pieces)
+    before = jax.tree.map(np.asarray, (state.frozen, state.params))
+    ids = np.random.default_rng(0).integers(1, 8192, (rows, seq)).astype(np.int32)
+    batch = {k: ids if "segmentation" not in k and "position" not in k else np.ones_like(ids) for k in BATCH_KEYS}
+    batch["inputs_position"] = np.broadcast_to(np.arange(seq, dtype=np.int32), ids.shape).copy()
+    new, metrics = pieces.step(state, batch)
+    return before, jax.tree.map(np.asarray, (new.frozen, new.params)), metrics

@@ -60,9 +60,10 @@ def _router_logits(config, params, batch) -> list[np.ndarray]:
     mutable="intermediates",
   )
   decoder = state["intermediates"]["decoder"]
-  return [
-    np.asarray(decoder[f"layers_{i}"]["moe"]["gate"]["__call__"][0]) for i in range(config.base_num_decoder_layers)
-  ]
+  # Unrolled layers are decoder/<stack>_<i> (layers_i; DeepSeek's moe_layers_i): every one with a router, in order.
+  with_router = [name for name, layer in decoder.items() if "moe" in layer]
+  with_router.sort(key=lambda name: int(name.rsplit("_", 1)[1]))
+  return [np.asarray(decoder[name]["moe"]["gate"]["__call__"][0]) for name in with_router]
 
 
 def maxtext_load_balance_loss(logits: np.ndarray, top_k: int, weight: float) -> float:
@@ -310,27 +311,15 @@ def test_deepseek_logged_balance_loss_is_the_normalised_one():
   unrolled = make_config("model_name=tiny-deepseek", f"max_target_length={SEQ}", "scan_layers=false")
   batch = _batch(3, padding=(0, 6, 0))
   params = _init(unrolled, batch)
-  _, state = Transformer(unrolled).apply(
-    {"params": params},
-    batch["inputs"],
-    batch["inputs_position"],
-    batch["inputs_segmentation"],
-    capture_intermediates=lambda module, _: module.name == "gate",
-    mutable="intermediates",
-  )
-  decoder = state["intermediates"]["decoder"]
   mask = np.asarray(batch["inputs_segmentation"] != 0)
-  moe_layers = unrolled.base_num_decoder_layers - unrolled.first_num_dense_layers
+  logits = _router_logits(unrolled, params, batch)
+  assert len(logits) == unrolled.base_num_decoder_layers - unrolled.first_num_dense_layers
   expected = np.mean(
     [
       sigmoid_balance_loss(
-        np.asarray(decoder[f"moe_layers_{i}"]["moe"]["gate"]["__call__"][0]),
-        mask,
-        unrolled.num_experts_per_tok,
-        unrolled.n_routing_groups,
-        unrolled.topk_routing_group,
+        z, mask, unrolled.num_experts_per_tok, unrolled.n_routing_groups, unrolled.topk_routing_group
       )
-      for i in range(moe_layers)
+      for z in logits
     ]
   )
   sums = _sums(unrolled, params, batch)

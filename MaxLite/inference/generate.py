@@ -229,8 +229,8 @@ def run(argv: Sequence[str]) -> list[str]:
     params = load_params(config, mesh)
     if chat:
       template = ChatTemplate.load(storage.resolve(config.tokenizer_path), config.chat_template_path)
-      ids = [chat_prompt_ids(tokenizer, template, text) for text in texts]
-      prompts = [fit_prompt(p, config.max_prefill_predict_length, keep_first=False) for p in ids]
+      # generate() keeps a long conversation's last max_prefill_predict_length tokens and warns.
+      prompts = [chat_prompt_ids(tokenizer, template, text) for text in texts]
       texts = [""] * len(texts)  # a chat prints the reply alone
     else:
       prompts, texts = _fit_prompts(config, tokenizer, texts)

@@ -30,8 +30,8 @@ def packed_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array,
   before = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
   real = segment_ids > 0
   starts = real & (segment_ids != before)
-  offsets = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments + 1, fill_value=-1)[0])(starts)
-  offsets = jnp.where(jnp.arange(max_segments + 1) < max_segments, offsets, -1).astype(jnp.int32)
+  offsets = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments, fill_value=-1)[0])(starts).astype(jnp.int32)
+  offsets = jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)  # cuDNN's [b, segments + 1]: the last one unused
   index = jnp.cumsum(starts, axis=1) - 1  # which segment each token belongs to (-1 before the first)
   kept = real & (index < max_segments)
   one_hot = (index[:, :, None] == jnp.arange(max_segments)) & kept[:, :, None]
