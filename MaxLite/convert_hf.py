@@ -3,14 +3,15 @@ Qwen3-MoE, Gemma 3 and DeepSeek-V3 (every architecture a family in MaxLite/model
 
 Usage:
   python MaxLite/convert_hf.py to_maxlite --hf_path=DIR --output_path=CKPT [CONFIG.yml] [key=value ...]
-  python MaxLite/convert_hf.py to_hf --checkpoint_path=CKPT/STEP --output_path=DIR [CONFIG.yml] [key=value ...]
+  python MaxLite/convert_hf.py to_hf --checkpoint_path=CKPT[/STEP] --output_path=DIR [CONFIG.yml] [key=value ...]
   (or: maxlite-convert-hf ...)
 Example:
   python MaxLite/convert_hf.py to_maxlite --hf_path=llama-dir --output_path=ckpt/llama weight_dtype=bfloat16
-  python MaxLite/convert_hf.py to_hf --checkpoint_path=outputs/run/checkpoints/200 --output_path=hf-out
+  python MaxLite/convert_hf.py to_hf --checkpoint_path=outputs/run/checkpoints --output_path=hf-out
 
 to_maxlite writes CKPT/0 (params and the model settings from config.json): train or decode from it with
-load_parameters_path=CKPT/0. to_hf writes config.json and safetensors that transformers loads.
+load_parameters_path=CKPT/0. to_hf writes config.json and safetensors that transformers loads, from the step
+--checkpoint_path names, or from the newest complete step of a checkpoints (or run) folder.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def run(argv: Sequence[str]) -> None:
   parser = cli.FlagParser(__doc__)
   parser.add_argument("direction", choices=tuple(_NEEDS))
   parser.add_argument("--hf_path", default="", help="to_maxlite: Hugging Face model directory")
-  parser.add_argument("--checkpoint_path", default="", help="to_hf: MaxLite checkpoint step directory")
+  parser.add_argument(
+    "--checkpoint_path", default="", help="to_hf: a MaxLite checkpoint step, or a checkpoints folder (its newest)"
+  )
   parser.add_argument("--output_path", default="", help="new directory to write")
   parser.add_argument("config_args", nargs="*", help="[CONFIG.yml] [key=value ...], as for train.py")
   args = parser.parse_intermixed_args(argv)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -117,20 +116,3 @@ def wait_for_step(proc: subprocess.Popen, metrics_file: str, step: int, log_path
 def tail(path: str, lines: int = 30) -> str:
   with open(path, encoding="utf-8", errors="replace") as f:
     return "".join(f.readlines()[-lines:])
-
-
-def readme_commands(heading: str) -> list[list[str]]:
-  """The command lines of the README's first bash block under `heading` (continuations joined, comments out)."""
-  with open(os.path.join(REPO, "README.md")) as f:
-    text = f.read()
-  block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-  lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
-  return [shlex.split(line) for line in lines]
-
-
-def output_of(args: list[str], timeout: float = 300) -> str:
-  """stdout of `python *args` run from the repo on one CPU device; it must exit 0."""
-  env = env_with_devices(1)  # one CPU device, the tests' other XLA flags kept (fast compiles)
-  done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-  assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
-  return done.stdout

@@ -183,9 +183,19 @@ def test_load_path_names_a_mismatched_parameter_and_both_shapes(tmp_path, saved_
   assert _listing(saved_run) == before
 
 
-def test_load_path_that_is_not_a_step_directory_lists_steps(tmp_path, saved_run):
-  config = make_config(*BASE, f"base_output_directory={tmp_path}", f"load_full_state_path={saved_run}/checkpoints")
-  with pytest.raises(CheckpointError, match=r"is not a checkpoint step directory \(it holds steps \[2, 1\]"):
+def test_load_path_naming_a_checkpoints_or_run_folder_reads_its_newest_step(tmp_path, saved_run):
+  """README commands say `load_parameters_path=outputs/r1/checkpoints` and run whatever step the run ended on."""
+  for folder in (f"{saved_run}/checkpoints", f"{saved_run}/checkpoints/", str(saved_run)):
+    config = make_config(*BASE, f"base_output_directory={tmp_path}", f"load_full_state_path={folder}")
+    assert config.load_full_state_path == f"{saved_run}/checkpoints/2"
+  pinned = make_config(*BASE, f"base_output_directory={tmp_path}", f"load_parameters_path={saved_run}/checkpoints/1")
+  assert pinned.load_parameters_path == f"{saved_run}/checkpoints/1"
+
+
+def test_load_path_that_is_not_a_step_directory_says_so(tmp_path):
+  (tmp_path / "empty").mkdir()
+  config = make_config(*BASE, f"base_output_directory={tmp_path}", f"load_full_state_path={tmp_path}/empty")
+  with pytest.raises(CheckpointError, match=r"empty is not a checkpoint step directory$"):
     train(config, first_devices(1))
 
 

@@ -256,32 +256,3 @@ def test_module_docstrings_with_a_line_continuation_are_raw():
       if "\\\n" in segment and not segment.lower().startswith("r"):
         squashed.append(str(path.relative_to(REPO)))
   assert not squashed, squashed
-
-
-def _run(command: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [sys.executable, *command], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
-  )
-
-
-def test_the_readme_data_commands_run_as_written(tmp_path):
-  """`prepare_data.py` and `train_tokenizer.py` of "Your own data", run from a directory holding `my_text/`."""
-  (prepare,) = [args for tool, args in README_COMMANDS if tool == "MaxLite/prepare_data.py"]
-  (tokenizer,) = [
-    args for tool, args in README_COMMANDS if tool == "MaxLite/train_tokenizer.py" and "data/mine/sp" in args
-  ]
-  (tmp_path / "my_text").mkdir()
-  words = "the quick brown fox jumps over a lazy dog while python lists tuples and dictionaries".split()
-  for f in range(3):
-    docs = [" ".join(words[(f + d + i) % len(words)] for i in range(40)) for d in range(60)]
-    (tmp_path / "my_text" / f"part{f}.txt").write_text("\n\n".join(docs))
-  done = _run([os.path.join(REPO, "MaxLite/prepare_data.py"), *prepare], tmp_path)
-  assert done.returncode == 0, done.stderr[-2000:]
-  shards = int(prepare[prepare.index("--num_shards") + 1])
-  assert len(list((tmp_path / "data" / "mine").glob("train-*.array_record"))) == shards
-  at = tokenizer.index("--vocab_size") + 1
-  done = _run(
-    [os.path.join(REPO, "MaxLite/train_tokenizer.py"), *tokenizer[:at], "400", *tokenizer[at + 1 :]], tmp_path
-  )
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert (tmp_path / "data" / "mine" / "sp.model").is_file()

@@ -149,8 +149,18 @@ def test_a_bad_file_type_is_one_line_at_config_time(corpus):
   with pytest.raises(ConfigError) as e:
     make_config("grain_train_files=/data/*.parquet")
   assert str(e.value) == expect + "grain_file_type=parquet"
+  # The shipped corpus's eval files are the default only for its own train files: the user's data has no eval until
+  # grain_eval_files names some (README's LoRA command failed on the default, in another file type).
+  for file_type, files in (("parquet", "/data/*.parquet"), ("jsonl", "chats.jsonl"), ("arrayrecord", "x.array_record")):
+    config = make_config(f"grain_train_files={files}", f"grain_file_type={file_type}")
+    assert config.grain_eval_files == ""
+  assert make_config().grain_eval_files == "assets/corpus/eval-*.array_record"
   with pytest.raises(ConfigError, match=r"^grain_eval_files='assets/corpus/eval-\*\.array_record' names arrayrecord "):
-    make_config("grain_train_files=/data/*.parquet", "grain_file_type=parquet")  # the default eval files
+    make_config(
+      "grain_train_files=/data/*.parquet",
+      "grain_file_type=parquet",
+      "grain_eval_files=assets/corpus/eval-*.array_record",
+    )
   config = make_config("grain_train_files=/data/*.parquet", "grain_eval_files=", "grain_file_type=parquet")
   assert config.grain_file_type == "parquet"
   with pytest.raises(ConfigError, match=r"^grain_file_type='csv' is not one of"):

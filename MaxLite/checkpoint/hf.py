@@ -27,6 +27,7 @@ from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoin
 from MaxLite.checkpoint.tokenizer_export import write_tokenizer
 from MaxLite.cli.errors import InputError
 from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.storage.layout import newest_step
 
 _REQUIRED = object()
 
@@ -160,6 +161,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str], adapter: 
   """Writes config.json + safetensors that transformers' from_pretrained loads; for a LoRA step also the PEFT adapter
   folder and its base (adapter=False: the merged weights alone)."""
   # The path travels on as load_parameters_path; a wrong one is named by the flag the user typed.
+  checkpoint_path = newest_step(checkpoint_path)
   checkpointing.resolve_state_dir(checkpoint_path, "--checkpoint_path")
   config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids

@@ -23,7 +23,7 @@ from absl import logging
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import maxtext_compat, validation
-from MaxLite.storage.layout import DATA_POSITIONS, saved_config_path, step_dir_of, step_numbers
+from MaxLite.storage.layout import DATA_POSITIONS, newest_step, saved_config_path, step_dir_of, step_numbers
 
 BASE_CONFIG_PATH = os.path.join(storage.configs_dir(), "base.yml")
 MODELS_DIR = os.path.join(storage.configs_dir(), "models")
@@ -223,6 +223,16 @@ def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
   if model_name != "default":
     explicit |= {k: f"by model_name={model_name}" for k in _read_yaml(os.path.join(MODELS_DIR, f"{model_name}.yml"))}
   explicit |= {k: "on the command line" for k in overrides}
+  if "grain_train_files" in explicit and "grain_eval_files" not in explicit and config["grain_eval_files"]:
+    # The default eval files are the shipped corpus's: beside the user's own training data they would measure
+    # something else (and, in another file type, not even load). No eval data until the user names some.
+    logging.info("no eval data: grain_train_files is set and grain_eval_files is not (set it to evaluate)")
+    config["grain_eval_files"] = ""
+  for key in ("load_parameters_path", "load_full_state_path"):
+    step = newest_step(config[key])
+    if step != config[key]:
+      logging.info("%s=%s: its newest complete step, %s", key, config[key], step)
+      config[key] = step
   _take_model_from_checkpoint(config, explicit, defaults, _resumed_step(config) if resuming else None)
   # A default that follows something else (add_bos follows whether the tokenizer has a BOS) warns only about a value
   # somebody chose, so the Config says which keys those are.

@@ -29,6 +29,20 @@ def is_finalized(step_dir: str) -> bool:
   return not storage.is_url(step_dir) or storage.exists(storage.join(step_dir, COMMIT_MARKER))
 
 
+def newest_step(path: str) -> str:
+  """`path` itself when it names a step (or anything else); the newest complete step when it names a checkpoints
+  folder or a run folder holding one, so a README command reads `.../checkpoints` whatever the run's last step was.
+  Explicit steps stay the way to pin one."""
+  path = path.rstrip("/")
+  if not path or not storage.isdir(path) or storage.isdir(storage.join(path, STATE)):
+    return path
+  if storage.exists(storage.join(path, "_METADATA")):  # a params-only export: orbax's own step item
+    return path
+  folder = storage.join(path, "checkpoints") if storage.isdir(storage.join(path, "checkpoints")) else path
+  steps = step_numbers(folder)
+  return storage.join(folder, str(steps[-1])) if steps else path
+
+
 def step_numbers(directory: str) -> list[int]:
   """Complete steps in a checkpoints directory, ascending (in-progress saves are `<step>.orbax-checkpoint-tmp*`
   on disk and steps without a commit marker on gs://)."""
