@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install MaxLite and its pinned dependencies into the current Python environment (a venv is best).
+# Install MaxLite and its pinned dependencies into a virtual environment: the active one (a venv or a conda env), the
+# interpreter PYTHON names, or else .venv in this checkout, made here (a system Python often refuses pip installs, PEP
+# 668); `source .venv/bin/activate` then enters it, in each new shell.
 #
 #   bash setup.sh [DEVICE=cpu|tpu|gpu] [CUDA=auto|12|13] [MODE=pinned|stable|nightly] [AOT=1|0] [TEST=0|1] [PYTHON=python3]
 #
@@ -14,6 +16,8 @@
 #           TPU topologies on this machine; kept off the import path so CPU runs stay quiet)
 #   TEST    1: also the test-only packages of requirements/test.txt (pytest, ruff, torch, transformers, a local
 #           GCS server); never needed to train, so pod workers leave it at 0 (the default). .ci/run sets 1.
+#   PYTHON  the interpreter to install into (PYTHON=python3 outside any venv: the system's); unset: the active
+#           environment's python3, else .venv's (made if missing)
 # Then: python MaxLite/train.py configs/base.yml   (or maxlite-train configs/base.yml)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -25,6 +29,8 @@ for arg in "$@"; do
        exit 2 ;;
   esac
 done
+# Named (an argument or the environment) or not: only an unnamed one may become .venv's below.
+PYTHON_NAMED="${PYTHON:+1}"
 DEVICE="${DEVICE:-cpu}"
 CUDA="${CUDA:-auto}"
 MODE="${MODE:-pinned}"
@@ -70,6 +76,20 @@ case "$DEVICE" in
 esac
 [[ "$TEST" == 1 ]] && extras+=(requirements/test.txt)
 
+
+in_dot_venv=""
+if [[ -z "$PYTHON_NAMED" && -z "${VIRTUAL_ENV:-}" && -z "${CONDA_PREFIX:-}" ]]; then
+  # No environment to install into: one of MaxLite's own, kept (and reused by the next run) in the checkout.
+  if [[ ! -x .venv/bin/python ]] && ! venv_error="$("$PYTHON" -m venv .venv 2>&1)"; then
+    rm -rf .venv
+    echo "error: setup.sh: \`$PYTHON -m venv .venv\` failed ($(tail -n 1 <<< "$venv_error")); on Debian/Ubuntu" \
+         "\`apt install python3-venv\`, or activate a virtual environment of your own, or pass PYTHON=/path/to/python" >&2
+    exit 2
+  fi
+  PYTHON="$PWD/.venv/bin/python"
+  in_dot_venv=1
+fi
+
 if [[ "$MODE" == pinned ]]; then
   pip_install -r requirements.txt "${extras[@]/#/-r}"
 else
@@ -111,3 +131,6 @@ fi
 # Check what was installed without starting a jax runtime (on a TPU VM that would take the chips, and on a pod
 # worker it would wait for the other hosts).
 DEVICE="$DEVICE" "$PYTHON" -m MaxLite.runtime.install_check
+if [[ -n "$in_dot_venv" ]]; then
+  echo "installed into .venv, this checkout's virtual environment: \`source .venv/bin/activate\` enters it (in each new shell)"
+fi

@@ -15,13 +15,14 @@ collection, [batch, max_target_length, kv_heads, head_dim] per layer, sharded by
 """
 
 from MaxLite import cli
+from MaxLite.config import schema
 from MaxLite.inference.generate import generate, run, sample
 
 __all__ = ["generate", "main", "run", "sample"]
 
 
 def main() -> None:
-  cli.run_config_tool(run, __doc__)
+  cli.run_config_tool(run, __doc__, keys=schema)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from MaxLite import cli
+from MaxLite.config import schema
 from MaxLite.planning import planner
 
 _EXPLAIN = flags.DEFINE_integer("explain", 0, "print the time and memory breakdown of plan N of the table")
@@ -34,7 +35,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main() -> None:
-  cli.run_config_tool(run, __doc__)
+  cli.run_config_tool(run, __doc__, keys=schema)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ if __name__ == "__main__":
   allocator.reexec_with_tcmalloc()  # before jax is imported (the console script re-execs in script())
 
 from MaxLite import cli  # noqa: E402
+from MaxLite.config import schema  # noqa: E402
 from MaxLite.training.start import run, summarize  # noqa: E402
 
 __all__ = ["main", "run", "script", "summarize"]
@@ -22,7 +23,7 @@ __all__ = ["main", "run", "script", "summarize"]
 
 def main() -> None:
   """Train with the command line in sys.argv; safe to call from another program (it never replaces the process)."""
-  cli.run_config_tool(run, __doc__)
+  cli.run_config_tool(run, __doc__, keys=schema)
 
 
 def script() -> None:

@@ -14,12 +14,13 @@ next to MaxLite's own model-FLOPs formula, and a roofline step time. Exit code 0
 
 from MaxLite import cli
 from MaxLite.aot.compile_step import DOES_NOT_FIT, run
+from MaxLite.config import schema
 
 __all__ = ["DOES_NOT_FIT", "main", "run"]
 
 
 def main() -> None:
-  cli.run_config_tool(run, __doc__)
+  cli.run_config_tool(run, __doc__, keys=schema)
 
 
 if __name__ == "__main__":

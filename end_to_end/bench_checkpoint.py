@@ -21,7 +21,7 @@ from flax.linen import partitioning as nn_partitioning
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import load_config
 from MaxLite.data.input_pipeline import make_iterator
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.optimizer import create_optimizer

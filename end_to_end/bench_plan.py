@@ -52,7 +52,7 @@ def maxtext_count(model: str, seq: int) -> float:
   if REPO not in sys.path:
     sys.path.insert(0, REPO)
   from MaxLite.config import loader
-  from MaxLite.training import flops
+  from MaxLite.models import flops
 
   raw = loader.load_raw([os.path.join(REPO, "configs", "base.yml"), f"model_name={model}"])
   counted = flops.training_flops_per_step(

@@ -29,7 +29,7 @@ import jax
 
 from MaxLite.config import load_config
 from MaxLite.layers.quantities import dtype_of
-from MaxLite.training import flops
+from MaxLite.models import flops
 from MaxLite.training.trainer import train
 
 WARMUP_STEPS = 3

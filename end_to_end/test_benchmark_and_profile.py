@@ -25,7 +25,7 @@ def _model_shapes():
   import jax
 
   from MaxLite.config import load_config
-  from MaxLite.layers.decoder import Transformer
+  from MaxLite.models.transformer import Transformer
 
   config = load_config([BENCH_YML, *BENCH_ARGS], num_devices=1, num_slices=1, process_count=1)
   ids = jax.ShapeDtypeStruct((1, config.max_target_length), np.int32)

@@ -13,13 +13,13 @@ import pytest
 from conftest import REPO, first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import builder
 from MaxLite.checkpoint.info import describe
 from MaxLite.checkpoint.manager import select_iterator_state, step_numbers
 from MaxLite.cli.errors import CheckpointError, ConfigError
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training import builder
 from MaxLite.training.evaluation import evaluate
 from MaxLite.training.metrics import NonFiniteLossError
 from MaxLite.training.train_step import jit_eval_step

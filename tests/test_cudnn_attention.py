@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import REPO, make_config
 
-from MaxLite import builder
 from MaxLite import config as config_lib
 from MaxLite.config import validation
 from MaxLite.layers.attention import attention_mask, dot_product_attention
 from MaxLite.layers.cudnn import cudnn_attention, packed_layout
+from MaxLite.models import build
 
 SEQ = 128
 
@@ -134,15 +134,15 @@ def test_every_family_gives_dot_products_logits_through_the_cudnn_path(model):
   cudnn = _cudnn_config(*common)
   assert cudnn.attention_segments == 4
   ids, pos, seg = _batch(reference)
-  params = builder.model(reference).init(jax.random.key(0), ids, pos, seg)
+  params = build.model(reference).init(jax.random.key(0), ids, pos, seg)
   logits = {}
   for name, config in (("dot_product", reference), ("cudnn", cudnn)):
-    logits[name] = np.asarray(jax.jit(builder.model(config).apply)(params, ids, pos, seg))
+    logits[name] = np.asarray(jax.jit(build.model(config).apply)(params, ids, pos, seg))
   real = seg > 0
   np.testing.assert_allclose(logits["cudnn"][real], logits["dot_product"][real], atol=5e-5)
   if model == "tiny-gemma3":  # the window matters here: without it the local layers' result differs
     unwindowed = config_lib.Config({**cudnn.to_dict(), "sliding_window_size": 0})
-    other = np.asarray(jax.jit(builder.model(unwindowed).apply)(params, ids, pos, seg))
+    other = np.asarray(jax.jit(build.model(unwindowed).apply)(params, ids, pos, seg))
     assert np.abs(other[real] - logits["dot_product"][real]).max() > 1e-3
 
 
@@ -153,7 +153,7 @@ def _lower_for_cuda(config, monkeypatch) -> str:
   monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
   monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks the cuDNN call, as on a GPU
-  model = builder.model(config)
+  model = build.model(config)
   ids, pos, seg = _batch(config)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, pos, seg))
 

@@ -13,7 +13,7 @@ from conftest import BASE_YML, FAST_COMPILE, REPO, make_config
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.decode import generate, sample
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel.sharding import unbox
 
 PROMPTS = [[5, 17, 99, 3, 250], [7, 8], [42, 43, 44, 45, 46, 47, 48, 49]]

@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (decoder_block=deepseek): transformers' DeepseekV3ForCausalLM converted gives its logits and greedy
-tokens and exports back bit for bit; the published configs' parameter counts equal transformers'; the routing bias
-moves towards balance and only by its update; every parallelism layout trains like one device."""
+"""DeepSeek-V3 (decoder_block=deepseek), what only it does: the published configs' parameter counts equal
+transformers'; the routing bias moves towards balance and only by its update; every parallelism layout trains like
+one device; YaRN's mscales import and export as transformers computes them. Its conversion from transformers
+(logits on both MoE paths, greedy tokens, the exact export) is test_hf_models.py's table, rows deepseek_*."""
 
 import re
 
@@ -8,103 +9,22 @@ import numpy as np
 import pytest
 from conftest import first_devices, make_config
 from test_hf_interop import check_both_rope_forms, maxlite_config, maxlite_logits, maxlite_params, token_ids
+from test_hf_models import DEEPSEEK_YARN, TINY_DEEPSEEK, tiny_hf_model
 from test_parallelism import _losses, _run
 
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data import BATCH_KEYS
-from MaxLite.decode import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY_HF = dict(
-  vocab_size=384,
-  hidden_size=64,
-  intermediate_size=128,
-  moe_intermediate_size=32,
-  num_hidden_layers=3,
-  first_k_dense_replace=1,
-  num_attention_heads=4,
-  num_key_value_heads=4,
-  n_routed_experts=8,
-  num_experts_per_tok=2,
-  n_group=4,
-  topk_group=2,
-  n_shared_experts=1,
-  routed_scaling_factor=2.5,
-  q_lora_rank=32,
-  kv_lora_rank=16,
-  qk_nope_head_dim=16,
-  qk_rope_head_dim=8,
-  v_head_dim=12,
-  max_position_embeddings=256,
-)
-YARN = dict(
-  rope_type="yarn",
-  rope_theta=10000.0,
-  factor=4.0,
-  original_max_position_embeddings=16,
-  beta_fast=32,
-  beta_slow=1,
-  mscale=0.707,
-  mscale_all_dim=0.707,
-)
-VARIANTS = {
-  "v3": dict(),
-  "no_q_lora_yarn": dict(q_lora_rank=None, rope_parameters=YARN, max_position_embeddings=1024),
-  "no_groups": dict(n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=2),
-}
-
 
 def hf_deepseek(tmp_path, **overrides):
-  config = transformers.DeepseekV3Config(**{**TINY_HF, **overrides}, attn_implementation="eager")
-  torch.manual_seed(0)
-  model = transformers.DeepseekV3ForCausalLM(config).eval()
-  with torch.no_grad():  # norms off 1, router and its bias off 0: a swapped tensor cannot pass
-    for name, param in model.named_parameters():
-      if "norm" in name or "gate.weight" in name:
-        param.add_(0.3 * torch.randn_like(param))
-    for name, buffer in model.named_buffers():
-      if "e_score_correction_bias" in name:
-        buffer.copy_(0.05 * torch.randn_like(buffer))
-  path = str(tmp_path / "deepseek")
-  model.save_pretrained(path)
-  return model, path
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "variant, scan_layers", [("v3", "true"), ("v3", "false"), ("no_q_lora_yarn", "true"), ("no_groups", "true")]
-)
-def test_converted_deepseek_matches_transformers_and_exports_back_exactly(tmp_path, variant, scan_layers):
-  model, path = hf_deepseek(tmp_path, **VARIANTS[variant])
-  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [f"scan_layers={scan_layers}"])
-  config = maxlite_config(step_dir, "sparse_matmul=false")
-  assert config.decoder_block == "deepseek" and config.attention_type == "mla"
-  params = maxlite_params(config, step_dir)
-  ids = token_ids(model.config.vocab_size)
-  with torch.no_grad():
-    expected = model(torch.tensor(ids)).logits.numpy()
-  for dispatch in ("sparse_matmul=false", "sparse_matmul=true"):
-    diff = np.abs(maxlite_logits(maxlite_config(step_dir, dispatch), params, ids) - expected).max()
-    print(f"deepseek {variant} {dispatch}: max abs logit difference {diff:.2e}")
-    assert diff <= 2e-5
-
-  prompt = [3, 200, 17, 91, 5]
-  decoding = maxlite_config(step_dir, "max_prefill_predict_length=8", "max_decode_steps=14")
-  ours, _ = generate(decoding, params, [prompt], eos_id=None)
-  with torch.no_grad():
-    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None)
-  assert ours[0] == theirs[0, len(prompt) :].tolist()
-
-  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
-  assert type(reloaded) is type(model)
-  original = model.state_dict()
-  assert set(reloaded.state_dict()) == set(original)
-  for name, tensor in reloaded.state_dict().items():
-    assert torch.equal(tensor, original[name]), name
+  """test_hf_models.py's tiny DeepseekV3ForCausalLM (eager attention; norms, router and routing bias off their
+  init), with `overrides`."""
+  settings = {**TINY_DEEPSEEK, **overrides}
+  return tiny_hf_model(str(tmp_path / "deepseek"), "DeepseekV3ForCausalLM", "DeepseekV3Config", settings, eager=True)
 
 
 def test_deepseek_configs_have_transformers_parameter_count():
@@ -155,8 +75,8 @@ def test_routing_bias_moves_only_by_its_update_towards_balance(tmp_path, rate):
   adam_weight_decay), up for the experts chosen least; rate 0 leaves it at 0."""
   import jax
 
-  from MaxLite import builder
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
   from MaxLite.training.train_state import create_train_state
 
   config = make_config(
@@ -253,7 +173,7 @@ MSCALES = {
 @pytest.mark.parametrize("mscales", list(MSCALES))
 def test_yarn_mscales_import_and_export_as_transformers_computes_them(tmp_path, mscales, factor):
   """The logits of transformers' model, of MaxLite's import of it, and of transformers' reload of MaxLite's export."""
-  rope = dict(YARN, factor=factor, **MSCALES[mscales])
+  rope = dict(DEEPSEEK_YARN, factor=factor, **MSCALES[mscales])
   for key in ("mscale", "mscale_all_dim"):
     if key not in MSCALES[mscales]:
       del rope[key]
@@ -313,7 +233,7 @@ def test_a_model_run_with_mscale_0_exports_what_it_computes(tmp_path):
   """mscale=0 (no softmax factor) on a converted YaRN model: transformers' reload of the export gives MaxLite's
   logits (the export said 'no mscale', which transformers reads as cos/sin times 0.1 ln(factor) + 1)."""
   model, path = hf_deepseek(
-    tmp_path, q_lora_rank=None, num_hidden_layers=2, rope_parameters=dict(YARN), max_position_embeddings=64
+    tmp_path, q_lora_rank=None, num_hidden_layers=2, rope_parameters=dict(DEEPSEEK_YARN), max_position_embeddings=64
   )
   step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
   config = maxlite_config(step_dir, "sparse_matmul=false", "mscale=0")

@@ -1,5 +1,8 @@
 """When a process joins jax.distributed, and the preflight checks that stop a mis-started pod job."""
 
+import os
+import subprocess
+
 import pytest
 from conftest import make_config
 
@@ -171,3 +174,74 @@ def test_install_check_takes_either_cuda_plugin_and_checks_versions_and_driver(m
   versions["jax-cuda13-pjrt"] = "0.11.2"
   with pytest.raises(ConfigError, match="this machine has no NVIDIA GPU"):
     install_check.check("gpu", tpu_present=False, gpu_present=False)
+
+
+def _checkout_with_a_fake_python(tmp_path, venv_fails: bool = False):
+  """setup.sh and its requirement files in a directory of their own (setup.sh works where it lies), and a PATH whose
+  python3 answers the version probes as 3.12, makes a directory for `-m venv DIR` (with itself as DIR/bin/python) and
+  logs every call with the interpreter that got it."""
+  import shutil
+
+  from conftest import REPO
+
+  checkout = tmp_path / "maxlite"
+  checkout.mkdir()
+  shutil.copy(f"{REPO}/setup.sh", checkout)
+  shutil.copy(f"{REPO}/requirements.txt", checkout)
+  shutil.copytree(f"{REPO}/requirements", checkout / "requirements")
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  log = tmp_path / "calls.log"
+  venv = (
+    'echo "Error: ensurepip is not available"; exit 1' if venv_fails else 'mkdir -p "$3/bin"; cp "$0" "$3/bin/python"'
+  )
+  python = bin_dir / "python3"
+  python.write_text(
+    f'#!/bin/bash\n[ "$1" = -V ] && {{ echo "Python 3.12.3"; exit 0; }}\necho "$0 $*" >> {log}\n'
+    f'[ "$1 $2" = "-m venv" ] && {{ {venv}; }}\nexit 0\n'
+  )
+  python.chmod(0o755)
+  env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHON")}
+  return checkout, dict(env, PATH=f"{bin_dir}:/usr/bin:/bin"), log
+
+
+def _run_setup(checkout, env, *args):
+  return subprocess.run(
+    ["bash", str(checkout / "setup.sh"), "AOT=0", *args], env=env, capture_output=True, text=True, timeout=60
+  )
+
+
+def test_setup_sh_outside_any_environment_installs_into_a_new_dot_venv(tmp_path):
+  """A new user's plain `bash setup.sh` (no venv active, no PYTHON): MaxLite goes into .venv in the checkout, which the
+  last line says how to enter; a second run reuses it."""
+  checkout, env, log = _checkout_with_a_fake_python(tmp_path)
+  for _ in range(2):
+    proc = _run_setup(checkout, env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+      "installed into .venv, this checkout's virtual environment: `source .venv/bin/activate` enters it "
+      "(in each new shell)"
+    )
+  calls = log.read_text().splitlines()
+  assert [c for c in calls if " -m venv " in c] == [f"{tmp_path}/bin/python3 -m venv .venv"]  # made once
+  installs = [c.split()[0] for c in calls if " -m pip install" in c or "install_check" in c]
+  assert len(installs) == 6 and set(installs) == {f"{checkout}/.venv/bin/python"}
+
+
+@pytest.mark.parametrize(
+  "env_var", [{"VIRTUAL_ENV": "/home/u/venv"}, {"CONDA_PREFIX": "/opt/conda"}, {"PYTHON": "python3"}]
+)
+def test_setup_sh_installs_into_the_active_environment_or_the_named_python(tmp_path, env_var):
+  checkout, env, log = _checkout_with_a_fake_python(tmp_path)
+  proc = _run_setup(checkout, {**env, **env_var})
+  assert proc.returncode == 0, proc.stderr
+  assert not (checkout / ".venv").exists() and ".venv" not in proc.stdout
+  assert {c.split()[0] for c in log.read_text().splitlines()} == {f"{tmp_path}/bin/python3"}
+
+
+def test_setup_sh_says_in_one_line_what_to_do_when_no_venv_can_be_made(tmp_path):
+  checkout, env, _ = _checkout_with_a_fake_python(tmp_path, venv_fails=True)
+  proc = _run_setup(checkout, env)
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+  assert "(Error: ensurepip is not available); on Debian/Ubuntu `apt install python3-venv`" in proc.stderr
+  assert not (checkout / ".venv").exists()

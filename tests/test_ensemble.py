@@ -83,9 +83,9 @@ def test_ensemble_state_is_sharded_over_the_ensemble_axis():
   import jax
   from flax.linen import partitioning as nn_partitioning
 
-  from MaxLite import builder
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
 
   config = make_config(*RUN, "ensemble_size=8", "ici_ensemble_parallelism=4", num_devices=8)
   mesh = create_mesh(config, first_devices(8))
@@ -209,7 +209,7 @@ def test_ensemble_eval_loss_is_that_of_the_averaged_probabilities():
   import jax.numpy as jnp
   from flax.linen import partitioning as nn_partitioning
 
-  from MaxLite.layers.decoder import Transformer
+  from MaxLite.models.transformer import Transformer
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
   from MaxLite.training import ensemble
@@ -279,9 +279,9 @@ def test_one_member_is_read_alone(tmp_path):
   import orbax.checkpoint as ocp
   from flax.linen import partitioning as nn_partitioning
 
-  from MaxLite import builder
   from MaxLite.checkpoint import lora_steps
   from MaxLite.checkpoint import manager as checkpointing
+  from MaxLite.models import build
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
 
@@ -299,7 +299,7 @@ def test_one_member_is_read_alone(tmp_path):
   config = make_config(*RUN, f"load_parameters_path={step}", "ensemble_member=2")
   mesh = create_mesh(config, first_devices(1))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
-    params = builder.parameters(config, mesh, stored=False)
+    params = build.parameters(config, mesh, stored=False)
     target = checkpointing.sharded_target(params.abstract, params.shardings)
     member_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(target))
     before = _bytes_read()

@@ -1,6 +1,6 @@
-"""Gemma 3 (decoder_block=gemma3): transformers' Gemma3ForCausalLM converted gives its logits and greedy tokens and
-exports back bit for bit; the published configs' parameter counts equal transformers'; the sliding window is what
-the local layers see; every parallelism layout trains like one device."""
+"""Gemma 3 (decoder_block=gemma3), what only it does: the published configs' parameter counts equal transformers';
+the sliding window is what the local layers see; every parallelism layout trains like one device. Its conversion
+from transformers (logits, greedy tokens, the exact export) is test_hf_models.py's table, rows gemma3_*."""
 
 import re
 
@@ -8,81 +8,21 @@ import numpy as np
 import pytest
 from conftest import make_config
 from test_hf_interop import maxlite_config, maxlite_logits, maxlite_params, token_ids
+from test_hf_models import TINY_GEMMA3, tiny_hf_model
 from test_parallelism import _losses, _run
 
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.cli.errors import ConfigError
-from MaxLite.decode import generate
-from MaxLite.training.flops import training_flops_per_step
+from MaxLite.models.flops import training_flops_per_step
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY_HF = dict(
-  vocab_size=384,
-  hidden_size=64,
-  intermediate_size=160,
-  num_hidden_layers=7,  # layers 0-4 and 6 local, 5 global
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=16,
-  max_position_embeddings=128,
-  sliding_window=5,  # shorter than the test's 24 tokens: the window decides the local layers' output
-)
-
 
 def hf_gemma3(tmp_path, name="gemma3", **overrides):
-  config = transformers.Gemma3TextConfig(**{**TINY_HF, **overrides})
-  config._attn_implementation = "eager"
-  torch.manual_seed(0)
-  model = transformers.Gemma3ForCausalLM(config).eval()
-  with torch.no_grad():  # norms away from their zero init (applied as 1 + w): a swapped norm cannot pass
-    for param_name, param in model.named_parameters():
-      if "norm" in param_name:
-        param.add_(0.3 * torch.randn_like(param))
-  path = str(tmp_path / name)
-  model.save_pretrained(path)
-  return model, path
-
-
-VARIANTS = {
-  "4b_like": dict(rope_scaling={"rope_type": "linear", "factor": 8.0}),  # 4b/12b: query_pre_attn_scalar = head_dim
-  "27b_like": dict(query_pre_attn_scalar=20, rope_local_base_freq=500.0, rope_theta=12345.0),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("scan_layers", ["true", "false"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_converted_gemma3_matches_transformers_and_exports_back_exactly(tmp_path, variant, scan_layers):
-  model, path = hf_gemma3(tmp_path, **VARIANTS[variant])
-  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [f"scan_layers={scan_layers}"])
-  config = maxlite_config(step_dir)
-  assert config.decoder_block == "gemma3" and config.sliding_window_size == 5
-  params = maxlite_params(config, step_dir)
-  ids = token_ids(model.config.vocab_size)
-  with torch.no_grad():
-    expected = model(torch.tensor(ids)).logits.numpy()
-  diff = np.abs(maxlite_logits(config, params, ids) - expected).max()
-  print(f"gemma3 {variant}: max abs logit difference {diff:.2e}")
-  assert diff <= 2e-5
-
-  prompt = [3, 200, 17, 91, 5, 8, 40]
-  decoding = maxlite_config(step_dir, "max_prefill_predict_length=8", "max_decode_steps=14")
-  ours, _ = generate(decoding, params, [prompt], eos_id=None)
-  with torch.no_grad():
-    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None)
-  assert ours[0] == theirs[0, len(prompt) :].tolist()
-
-  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), attn_implementation="eager")
-  assert type(reloaded) is type(model)
-  original = model.state_dict()
-  assert set(reloaded.state_dict()) == set(original)
-  for name, tensor in reloaded.state_dict().items():
-    assert torch.equal(tensor, original[name]), name
-  with torch.no_grad():
-    np.testing.assert_array_equal(reloaded(torch.tensor(ids)).logits.numpy(), expected)
+  """test_hf_models.py's tiny Gemma3ForCausalLM (eager attention, norms off their init), with `overrides`."""
+  settings = {**TINY_GEMMA3, **overrides}
+  return tiny_hf_model(str(tmp_path / name), "Gemma3ForCausalLM", "Gemma3TextConfig", settings, eager=True)
 
 
 def test_the_window_decides_local_layers_only(tmp_path):
@@ -182,13 +122,13 @@ def test_splash_runs_the_local_kernel_in_local_layers_and_the_global_one_in_glob
   gives the dot-product path's logits."""
   import jax
 
-  from MaxLite import builder
+  from MaxLite.models import build
 
   common = ("model_name=tiny-gemma3", "max_target_length=128", "per_device_batch_size=1")
   logits = {}
   for kernel in ("dot_product", "splash"):
     config = make_config(*common, f"attention={kernel}")
-    model = builder.model(config)
+    model = build.model(config)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 128))
     pos, seg = np.arange(128)[None], np.ones((1, 128), np.int32)
     params = model.init(jax.random.key(0), ids, pos, seg)

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from conftest import BASE_YML, first_devices, make_config
 
-from MaxLite import builder
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader
 from MaxLite.cli.errors import CheckpointError, InputError
 from MaxLite.config import load_config
 from MaxLite.decode import generate
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models import build
+from MaxLite.models.transformer import Transformer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def maxlite_config(step_dir, *overrides):
 
 def maxlite_params(config, step_dir):
   device = jax.sharding.SingleDeviceSharding(first_devices(1)[0])
-  abstract = builder.abstract_parameters(config)
+  abstract = build.abstract_parameters(config)
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
   return checkpointing.load_params(step_dir, target)
 
@@ -79,7 +79,10 @@ def token_ids(vocab, batch=2):
 
 def maxlite_logits(config, params, ids):
   pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-  return np.asarray(Transformer(config).apply({"params": params}, ids, pos, np.ones_like(ids)))
+  # Compiled as one program: run op by op, an unscanned model compiles each of its many small ops on first use
+  # (several seconds each time a test process meets a new shape), and a scanned one retraces its scan every call.
+  forward = jax.jit(Transformer(config).apply)
+  return np.asarray(forward({"params": params}, ids, pos, np.ones_like(ids)))
 
 
 def transformers4_rope(hf):

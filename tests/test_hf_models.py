@@ -1,89 +1,245 @@
-"""Llama 3.1/3.2 (rope scaling), YaRN, Qwen2.5 (q/k/v biases), Qwen3 (q/k norm), Qwen3-MoE and Mixtral from
-transformers: converted weights give transformers' logits and greedy tokens, and export back bit for bit."""
+"""Every family from transformers, one table row each (Llama 3.1/3.2 with RoPE scaling and YaRN, Qwen2.5 with q/k/v
+biases, Qwen3 with q/k norm, Qwen3-MoE, Mixtral, Gemma 3, DeepSeek-V3): converted weights give transformers' logits
+and greedy tokens, and export back bit for bit. A new family is a new row; what only one family does stays in its
+own file (test_gemma3.py, test_deepseek.py). Also: the shipped configs hold the published config.json values and
+parameter counts, and unsupported checkpoints are refused in one line."""
 
+import copy
+import dataclasses
 import json
 import os
+import shutil
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from test_hf_interop import SMALL, maxlite_config, maxlite_logits, maxlite_params, token_ids
 
 from MaxLite.checkpoint import hf as convert_hf
-from MaxLite.checkpoint.hf_layout import model_settings_from_hf
 from MaxLite.cli.errors import InputError
 from MaxLite.decode import generate
+from MaxLite.models.hf_layout import model_settings_from_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
-VARIANTS = {
-  # original context 16 < SEQ, so the scaled frequencies matter within the test's sequences
-  "llama3.2_tied": ("Llama", dict(tie_word_embeddings=True), dict(LLAMA3_ROPE, original_max_position_embeddings=16)),
-  "llama_yarn": ("Llama", dict(), dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
-  "qwen2.5": ("Qwen2", dict(num_key_value_heads=1), dict(rope_type="default")),
-  "qwen3_tied": ("Qwen3", dict(head_dim=24, tie_word_embeddings=True), dict(rope_type="default")),
-  "qwen3_yarn": ("Qwen3", dict(head_dim=32), dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=12)),
-  # cos/sin by the mscale / mscale_all_dim ratio (transformers' rule for any YaRN model), the softmax untouched
-  "llama_yarn_mscales": (
-    "Llama",
-    dict(),
-    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.4),
-  ),
-  "qwen3_moe": (
-    "Qwen3Moe",
-    dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
-    dict(rope_type="default"),
-  ),
-  "qwen3_moe_unnormalised": (
-    "Qwen3Moe",
-    dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False),
-    dict(rope_type="default"),
-  ),
-  # no q/k norm: exports as Mixtral; its router (mlp.gate.weight in transformers' modules) is perturbed too
-  "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2), dict(rope_type="default")),
-}
+TINY_GEMMA3 = dict(  # Gemma3TextConfig arguments of a tiny Gemma 3
+  vocab_size=384,
+  hidden_size=64,
+  intermediate_size=160,
+  num_hidden_layers=7,  # layers 0-4 and 6 local, 5 global
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  max_position_embeddings=128,
+  sliding_window=5,  # shorter than the test's 24 tokens: the window decides the local layers' output
+)
+TINY_DEEPSEEK = dict(  # DeepseekV3Config arguments of a tiny DeepSeek-V3
+  vocab_size=384,
+  hidden_size=64,
+  intermediate_size=128,
+  moe_intermediate_size=32,
+  num_hidden_layers=3,
+  first_k_dense_replace=1,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  n_routed_experts=8,
+  num_experts_per_tok=2,
+  n_group=4,
+  topk_group=2,
+  n_shared_experts=1,
+  routed_scaling_factor=2.5,
+  q_lora_rank=32,
+  kv_lora_rank=16,
+  qk_nope_head_dim=16,
+  qk_rope_head_dim=8,
+  v_head_dim=12,
+  max_position_embeddings=256,
+)
+DEEPSEEK_YARN = dict(
+  rope_type="yarn",
+  rope_theta=10000.0,
+  factor=4.0,
+  original_max_position_embeddings=16,
+  beta_fast=32,
+  beta_slow=1,
+  mscale=0.707,
+  mscale_all_dim=0.707,
+)
 
 
-def hf_model(tmp_path, variant):
-  """A small random model of the variant's architecture, built by transformers and saved as safetensors."""
-  family, overrides, rope = VARIANTS[variant]
-  config_class = getattr(transformers, f"{family}Config")
-  config = config_class(**{**SMALL, "rms_norm_eps": 1e-6, **overrides}, rope_parameters={"rope_theta": 10000.0, **rope})
+def tiny_hf_model(path: str, architecture: str, config_class: str, settings: dict, eager: bool = False):
+  """A small random model of transformers' `architecture` class (its `config_class` given `settings`), saved as
+  safetensors in `path`. Norms, biases, routers and DeepSeek's routing bias are moved off their initialisation
+  (norms 1 or 0, the rest 0), so a swapped or dropped tensor cannot pass."""
+  settings = copy.deepcopy(settings)  # the table's nested dicts (rope_parameters) are shared between rows
+  config = getattr(transformers, config_class)(**settings, **({"attn_implementation": "eager"} if eager else {}))
   torch.manual_seed(0)
-  model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-  with torch.no_grad():  # norms away from 1, biases and router away from 0: a mixed-up tensor cannot pass
+  model = getattr(transformers, architecture)(config).eval()
+  with torch.no_grad():
     for name, param in model.named_parameters():
       if "norm" in name or "bias" in name or "gate.weight" in name:
         param.add_(0.3 * torch.randn_like(param))
-  path = str(tmp_path / variant)
+    for name, buffer in model.named_buffers():
+      if "e_score_correction_bias" in name:
+        buffer.copy_(0.05 * torch.randn_like(buffer))
   model.save_pretrained(path)
   return model, path
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One row of the family table: a tiny transformers model, and what its conversion to MaxLite must give."""
+
+  architecture: str  # transformers' model class
+  config_class: str  # transformers' config class
+  settings: dict  # its arguments
+  convert: tuple[str, ...] = ()  # to_maxlite's key=value overrides
+  expect: dict = dataclasses.field(default_factory=dict)  # keys the converted config must hold
+  # MaxLite's paths that must each give transformers' logits (both MoE dispatches for DeepSeek)
+  dispatches: tuple[tuple[str, ...], ...] = ((),)
+  prompt: tuple[int, ...] = (3, 200, 17, 91, 5)
+  eager: bool = False  # transformers' eager attention, for its sliding window (Gemma 3) and MLA (DeepSeek)
+  tolerance: float = 2e-5  # float32 logits' max abs difference from transformers'
+
+
+def _small(architecture: str, rope: dict, **overrides) -> Family:
+  """A Llama-shaped family (Llama, Qwen2/3, Qwen3-MoE, Mixtral) at SMALL's size with its RoPE."""
+  rope_parameters = {"rope_theta": 10000.0, **rope}
+  return Family(
+    f"{architecture}ForCausalLM",
+    f"{architecture}Config",
+    {**SMALL, "rms_norm_eps": 1e-6, **overrides, "rope_parameters": rope_parameters},
+  )
+
+
+def _gemma3(scan_layers: str, **overrides) -> Family:
+  return Family(
+    "Gemma3ForCausalLM",
+    "Gemma3TextConfig",
+    {**TINY_GEMMA3, **overrides},
+    convert=(f"scan_layers={scan_layers}",),
+    expect=dict(decoder_block="gemma3", sliding_window_size=5),
+    prompt=(3, 200, 17, 91, 5, 8, 40),
+    eager=True,
+  )
+
+
+def _deepseek(scan_layers: str, **overrides) -> Family:
+  return Family(
+    "DeepseekV3ForCausalLM",
+    "DeepseekV3Config",
+    {**TINY_DEEPSEEK, **overrides},
+    convert=(f"scan_layers={scan_layers}",),
+    expect=dict(decoder_block="deepseek", attention_type="mla"),
+    dispatches=(("sparse_matmul=false",), ("sparse_matmul=true",)),
+    eager=True,
+  )
+
+
+GEMMA3_4B_LIKE = dict(rope_scaling={"rope_type": "linear", "factor": 8.0})  # 4b/12b: query_pre_attn_scalar = head_dim
+GEMMA3_27B_LIKE = dict(query_pre_attn_scalar=20, rope_local_base_freq=500.0, rope_theta=12345.0)
+FAMILIES = {
+  # original context 16 < SEQ, so the scaled frequencies matter within the test's sequences
+  "llama3.2_tied": _small("Llama", dict(LLAMA3_ROPE, original_max_position_embeddings=16), tie_word_embeddings=True),
+  "llama_yarn": _small("Llama", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+  # cos/sin by the mscale / mscale_all_dim ratio (transformers' rule for any YaRN model), the softmax untouched
+  "llama_yarn_mscales": _small(
+    "Llama", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.4)
+  ),
+  "qwen2.5": _small("Qwen2", dict(rope_type="default"), num_key_value_heads=1),
+  "qwen3_tied": _small("Qwen3", dict(rope_type="default"), head_dim=24, tie_word_embeddings=True),
+  "qwen3_yarn": _small("Qwen3", dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=12), head_dim=32),
+  "qwen3_moe": _small(
+    "Qwen3Moe",
+    dict(rope_type="default"),
+    head_dim=16,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    norm_topk_prob=True,
+  ),
+  "qwen3_moe_unnormalised": _small(
+    "Qwen3Moe",
+    dict(rope_type="default"),
+    num_experts=4,
+    num_experts_per_tok=3,
+    moe_intermediate_size=32,
+    norm_topk_prob=False,
+  ),
+  # no q/k norm: exports as Mixtral; its router (mlp.gate.weight in transformers' modules) is perturbed too
+  "mixtral": _small("Mixtral", dict(rope_type="default"), num_local_experts=4, num_experts_per_tok=2),
+  "gemma3_4b_like": _gemma3("true", **GEMMA3_4B_LIKE),
+  "gemma3_4b_like_unscanned": _gemma3("false", **GEMMA3_4B_LIKE),
+  "gemma3_27b_like": _gemma3("true", **GEMMA3_27B_LIKE),
+  "gemma3_27b_like_unscanned": _gemma3("false", **GEMMA3_27B_LIKE),
+  # grouped routing with a random routing bias
+  "deepseek_v3": _deepseek("true"),
+  "deepseek_v3_unscanned": _deepseek("false"),
+  "deepseek_no_q_lora_yarn": _deepseek(
+    "true", q_lora_rank=None, rope_parameters=DEEPSEEK_YARN, max_position_embeddings=1024
+  ),
+  "deepseek_no_groups": _deepseek("true", n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=2),
+}
+
+
+@dataclasses.dataclass
+class Converted:
+  """A row's transformers model, its folder, the MaxLite step converted from it and that step exported back."""
+
+  family: Family
+  model: Any
+  hf_path: str
+  step_dir: str
+  export_path: str
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Callable[[str], Converted]:
+  """Gives a row by name, converted and exported once for every test of the module that uses it (whatever order
+  they run in: a module-scoped fixture parametrized by row would be rebuilt each time the row changes)."""
+  done = {}
+
+  def row(name: str) -> Converted:
+    if name not in done:
+      family, tmp_path = FAMILIES[name], tmp_path_factory.mktemp(name)
+      settings = (family.architecture, family.config_class, family.settings, family.eager)
+      model, path = tiny_hf_model(str(tmp_path / "hf"), *settings)
+      step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), list(family.convert))
+      convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
+      done[name] = Converted(family, model, path, step_dir, str(tmp_path / "back"))
+    return done[name]
+
+  return row
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_converted_model_matches_transformers_and_exports_back_exactly(tmp_path, variant):
-  model, path = hf_model(tmp_path, variant)
-  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
-  config = maxlite_config(step_dir)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_converted_model_matches_transformers_and_exports_back_exactly(converted, name):
+  converted = converted(name)
+  row, model, step_dir = converted.family, converted.model, converted.step_dir
+  config = maxlite_config(step_dir, *row.dispatches[0])
+  assert {key: getattr(config, key) for key in row.expect} == row.expect
   params = maxlite_params(config, step_dir)
   ids = token_ids(model.config.vocab_size)
   with torch.no_grad():
     expected = model(torch.tensor(ids)).logits.numpy()
-  diff = np.abs(maxlite_logits(config, params, ids) - expected).max()
-  print(f"{variant}: max abs logit difference {diff:.2e}")
-  assert diff <= 2e-5
+  for dispatch in row.dispatches:
+    diff = np.abs(maxlite_logits(maxlite_config(step_dir, *dispatch), params, ids) - expected).max()
+    print(f"{row.architecture} {dispatch}: max abs logit difference {diff:.2e}")
+    assert diff <= row.tolerance
 
-  prompt = [3, 200, 17, 91, 5]
+  prompt = list(row.prompt)
   decoding = maxlite_config(step_dir, "max_prefill_predict_length=8", "max_decode_steps=14")
   ours, _ = generate(decoding, params, [prompt], eos_id=None)
   with torch.no_grad():
     theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None)
   assert ours[0] == theirs[0, len(prompt) :].tolist()
 
-  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+  eager = {"attn_implementation": "eager"} if row.eager else {}
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(converted.export_path, **eager)
   assert type(reloaded) is type(model)
   original = model.state_dict()
   assert set(reloaded.state_dict()) == set(original)
@@ -244,15 +400,19 @@ def test_unsupported_variants_are_one_line_naming_the_field(change, fragment):
   assert "\n" not in str(error.value)
 
 
-def test_a_rope_type_the_checkpoint_does_not_have_stops_at_start(tmp_path):
-  _, path = hf_model(tmp_path, "llama3.2_tied")
+def _copy(converted, tmp_path) -> str:
+  """The row's transformers folder copied, for a test that edits its config.json."""
+  return shutil.copytree(converted.hf_path, str(tmp_path / "hf"))
+
+
+def test_a_rope_type_the_checkpoint_does_not_have_stops_at_start(tmp_path, converted):
   with pytest.raises(InputError, match="rope_type=default was given but .*config.json has llama3.1"):
-    convert_hf.to_maxlite(path, str(tmp_path / "ml"), ["rope_type=default"])
+    convert_hf.to_maxlite(converted("llama3.2_tied").hf_path, str(tmp_path / "ml"), ["rope_type=default"])
   assert not os.path.exists(tmp_path / "ml")
 
 
-def test_moe_layers_mixed_with_dense_layers_are_refused(tmp_path):
-  _, path = hf_model(tmp_path, "qwen3_moe")
+def test_moe_layers_mixed_with_dense_layers_are_refused(tmp_path, converted):
+  path = _copy(converted("qwen3_moe"), tmp_path)
   with open(os.path.join(path, "config.json")) as f:
     hf = json.load(f)
   with open(os.path.join(path, "config.json"), "w") as f:
@@ -279,7 +439,7 @@ PUBLISHED_PARAMETERS = {
 def test_model_configs_have_the_published_parameter_count_and_transformers_agrees(model_name):
   from conftest import make_config
 
-  from MaxLite.checkpoint.hf_layout import hf_config_from_model
+  from MaxLite.models.hf_layout import hf_config_from_model
 
   config = make_config(f"model_name={model_name}")
   assert config.num_params == PUBLISHED_PARAMETERS[model_name]
@@ -308,8 +468,8 @@ def test_rope_frequencies_equal_transformers(model_name, overrides):
   from conftest import make_config
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-  from MaxLite.checkpoint.hf_layout import hf_config_from_model
   from MaxLite.layers.rope import rope_frequencies
+  from MaxLite.models.hf_layout import hf_config_from_model
 
   config = make_config(f"model_name={model_name}", *overrides)
   hf = hf_config_from_model(config)
@@ -332,8 +492,8 @@ def test_rope_frequencies_equal_transformers(model_name, overrides):
     assert ((wavelength > original / 4) & (wavelength < original)).any()
 
 
-def test_config_json_that_does_not_fit_the_weights_is_one_line(tmp_path):
-  _, path = hf_model(tmp_path, "qwen3_tied")  # head_dim 24
+def test_config_json_that_does_not_fit_the_weights_is_one_line(tmp_path, converted):
+  path = _copy(converted("qwen3_tied"), tmp_path)  # head_dim 24
   with open(os.path.join(path, "config.json")) as f:
     hf = json.load(f)
   del hf["head_dim"]  # Qwen3's default is 128, not hidden / heads
@@ -343,16 +503,15 @@ def test_config_json_that_does_not_fit_the_weights_is_one_line(tmp_path):
     convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
 
 
-def test_loading_drops_no_parameter_and_exports_no_foreign_bos(tmp_path):
+def test_loading_drops_no_parameter_and_exports_no_foreign_bos(converted):
   from MaxLite.cli.errors import CheckpointError
 
-  _, path = hf_model(tmp_path, "qwen3_tied")
-  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), [])
+  converted = converted("qwen3_tied")
+  step_dir = converted.step_dir
   with pytest.raises(CheckpointError, match=r"has 'params.decoder.layers.self_attention.key_norm.scale' which"):
     maxlite_params(maxlite_config(step_dir, "use_qk_norm=false"), step_dir)
   # No tokenizer given and the shipped one does not fit this model: no BOS/EOS ids rather than its 1 and 2.
-  convert_hf.to_hf(step_dir, str(tmp_path / "back"), [])
-  with open(tmp_path / "back" / "config.json") as f:
+  with open(os.path.join(converted.export_path, "config.json")) as f:
     exported = json.load(f)
   assert exported["bos_token_id"] is None and exported["eos_token_id"] is None
   assert exported["max_position_embeddings"] == 128  # config.json's, kept through MaxLite
@@ -361,17 +520,10 @@ def test_loading_drops_no_parameter_and_exports_no_foreign_bos(tmp_path):
 @pytest.mark.parametrize("scan_layers", ["true", "false"])
 def test_fused_projections_import_and_export_exactly(tmp_path, scan_layers):
   """fused_qkv / fused_mlp hold the same weights in one kernel each: transformers' logits, an exact export."""
-  family, overrides = "Qwen2", dict(num_key_value_heads=SMALL["num_attention_heads"])  # MHA with q/k/v biases
-  config = transformers.Qwen2Config(**{**SMALL, **overrides}, rope_parameters={"rope_theta": 10000.0})
-  torch.manual_seed(0)
-  model = transformers.Qwen2ForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, param in model.named_parameters():
-      if "bias" in name:
-        param.add_(0.3 * torch.randn_like(param))
-  model.save_pretrained(str(tmp_path / family))
+  settings = dict(SMALL, num_key_value_heads=SMALL["num_attention_heads"], rope_parameters={"rope_theta": 10000.0})
+  model, path = tiny_hf_model(str(tmp_path / "hf"), "Qwen2ForCausalLM", "Qwen2Config", settings)  # MHA, q/k/v biases
   fused = ["fused_qkv=true", "fused_mlp=true", f"scan_layers={scan_layers}"]
-  step_dir = convert_hf.to_maxlite(str(tmp_path / family), str(tmp_path / "ml"), fused)
+  step_dir = convert_hf.to_maxlite(path, str(tmp_path / "ml"), fused)
   config = maxlite_config(step_dir)
   assert config.fused_qkv and config.fused_mlp  # taken from the checkpoint
   params = maxlite_params(config, step_dir)

@@ -15,7 +15,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import choices
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training import loss

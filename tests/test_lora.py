@@ -216,8 +216,8 @@ def test_bad_lora_settings_are_one_line(overrides, fragment):
   ],
 )
 def test_a_module_path_that_matches_nothing_or_routed_experts_is_one_line(model, path, fragment):
-  from MaxLite import builder
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
 
   config = make_config(f"model_name={model}", "max_target_length=32", *LORA, f"lora_module_path={path}")
   with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
@@ -293,8 +293,8 @@ def test_a_qlora_tile_that_does_not_divide_a_contracted_dimension_is_one_line(mo
 def test_a_qlora_tile_is_checked_only_against_the_adapted_projections():
   """Tiles of 64 divide the MLP inputs' base_emb_dim=64, not the attention output's head_dim=16: adapting the former
   alone is a valid QLoRA model, and it builds."""
-  from MaxLite import builder
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
 
   config = make_config(*COMMON, *LORA, "lora_weight_qtype=nf4", "lora_tile_size=64", "lora_module_path=.*mlp/wi_.")
   builder.training(config, create_mesh(config, first_devices(1)))
@@ -316,13 +316,13 @@ def test_the_qlora_tile_check_knows_each_projection_s_contracted_dimension(model
   dimension its matmul contracts (A [in, rank] flattens the contracted dims, the leading ones of the kernel)."""
   from flax import traverse_util
 
-  from MaxLite import builder
   from MaxLite.config.validation import qlora_contractions
+  from MaxLite.models import build
 
   config = make_config(
     f"model_name={model}", "max_target_length=32", *LORA, "lora_module_path=(decoder|logits).*", *overrides
   )
-  flat = traverse_util.flatten_dict(builder.abstract_parameters(config))
+  flat = traverse_util.flatten_dict(build.abstract_parameters(config))
   model_dims = {}
   for path, a in flat.items():
     if path[-1] == "kernel_lora_a" and "moe" not in path:  # the router: refused by name, never quantized
@@ -342,10 +342,11 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
   from flax.linen import partitioning as nn_partitioning
   from qwix._src.core import qarray
 
-  from MaxLite import builder
   from MaxLite.checkpoint import lora_steps
+  from MaxLite.models import build
   from MaxLite.parallel import sharding as sharding_lib
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
   from MaxLite.training.train_state import model_params
   from MaxLite.training.trainer import initial_state
 
@@ -357,7 +358,7 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
     pieces = builder.training(config, mesh)
     state, _ = initial_state(config, pieces)
     ours = np.asarray(pieces.model.apply({"params": model_params(state)}, ids, pos, np.ones_like(ids)))
-    plain = builder.parameters(config, mesh, stored=False)
+    plain = build.parameters(config, mesh, stored=False)
     floats = lora_steps.load_params(
       base,
       jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plain.abstract, plain.shardings),
@@ -369,7 +370,7 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
   for k, v in kernels.items():
     restored[k] = np.asarray(jax.vmap(qarray.dequantize)(v.array))
   dequantized = traverse_util.unflatten_dict(restored)
-  model = builder.model(config, stored=False)
+  model = build.model(config, stored=False)
   want = np.asarray(model.apply({"params": dequantized}, ids, pos, np.ones_like(ids)))
   unquantized = np.asarray(model.apply({"params": floats}, ids, pos, np.ones_like(ids)))
   print(
@@ -405,10 +406,10 @@ def _one_step(config, rows: int, seq: int) -> tuple:
   """One LoRA train step from the config's start on one device: ((frozen, params) before, the same after, metrics)."""
   from flax.linen import partitioning as nn_partitioning
 
-  from MaxLite import builder
   from MaxLite.data import BATCH_KEYS
   from MaxLite.parallel import sharding as sharding_lib
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
   from MaxLite.training.trainer import initial_state
 
   mesh = create_mesh(config, first_devices(1))

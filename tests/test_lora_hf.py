@@ -13,14 +13,15 @@ from test_deepseek import hf_deepseek
 from test_gemma3 import hf_gemma3
 from test_hf_interop import SEQ, hf_model, maxlite_logits, token_ids
 
-from MaxLite import builder
 from MaxLite.checkpoint import hf as convert_hf
 from MaxLite.checkpoint import lora_peft, lora_steps
 from MaxLite.checkpoint.safetensors_io import read_file
 from MaxLite.cli.errors import CheckpointError
 from MaxLite.layers import lora
+from MaxLite.models import build
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training import builder
 from MaxLite.training.train_state import model_params
 from MaxLite.training.trainer import initial_state, train
 
@@ -95,7 +96,7 @@ def test_a_lora_step_exports_merged_weights_and_a_peft_adapter_with_maxlite_logi
   auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "export" / "adapter")).eval()
   plain = make_config(f"load_parameters_path={step}", f"max_target_length={SEQ}")
   device = jax.sharding.SingleDeviceSharding(first_devices(1)[0])
-  abstract = builder.abstract_parameters(plain)
+  abstract = build.abstract_parameters(plain)
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
   merged_in_maxlite = maxlite_logits(plain, lora_steps.load_params(step, target), ids)
   for name, got in (

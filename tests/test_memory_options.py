@@ -330,7 +330,7 @@ def test_host_offload_trains_like_device_memory(tmp_path, overrides):
 
 
 def test_offloaded_state_lives_in_host_memory_and_the_step_moves_it(tmp_path):
-  from MaxLite.layers.decoder import Transformer
+  from MaxLite.models.transformer import Transformer
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
   from MaxLite.training.optimizer import create_optimizer
@@ -354,45 +354,117 @@ def test_offloaded_state_lives_in_host_memory_and_the_step_moves_it(tmp_path):
   assert kinds == {"pinned_host"}  # back in host memory after the step
 
 
-_REPORT = """Memory Space: default (color=0)
-Total bytes: 100 (1.0KiB)
-  cumulative_size;       size;       offset; used_by_n_values; shapes_list
-  ------------------------------------------------------------
-    4.00GiB( 19%);    4.00GiB;   3704127488;                2; 2×bf16[32,2,8192,4096]
-    4.50GiB( 21%);  512.00MiB;          512;                1; f32[2,512,32000]
-
-  cumulative_size;       size;       offset; used_by_n_values; shapes_list
-    1.00GiB(100%);    1.00GiB;            0;                1; f32[1]
+# A train step's dump as XLA writes it, cut down: 4 scanned layers with one weight each, split 4 ways (fsdp) on its
+# second dim; Adam's first moment; a batch. At the peak (t=5): the weights, their moment, the weights cast and one
+# layer's slice gathered, the stacked saved inputs, logits, attention scores, a weight gradient and an activation copied
+# by XLA; the bigger logits of t=1-2 are dead by then.
+_LIVE_RANGES = """HloLiveRange (max 9):
+  InstructionSequence:
+    0:param.0
+  BufferLiveRange:
+    param.0{}:0-9
+    param.1{}:0-9
+    param.2{}:0-3
+    convert.1{}:1-6
+    all-gather.1{}:2-6
+    fusion.11{}:1-2
+    while.5{}:3-7
+    while.5{1}:3-7
+    fusion.7{}:4-6
+    fusion.8{}:5-5
+    fusion.9{}:5-8
+    fusion.10{}:4-4
+    copy.3{}:5-6
+    fusion.12{}:8-9
+  Live ranges at 2 (peak):
+    fusion.11{}: 1 bytes (cumulative: 1 bytes)
 """
-_ASSIGNMENT = """allocation 0: size 512, parameter 1, shape |f32[4]| at ShapeIndex {}:
- value: <1 param.1 @0> (size=512,offset=0): f32[4]
-allocation 1: size 4831838208, preallocated-temp:
- value: <7 fusion.3 @0> (size=4294967296,offset=3704127488): bf16[32,2,8192,4096]
- value: <8 while.2{2} (phi) @0> (size=4294967296,offset=3704127488): bf16[32,2,8192,4096]
- value: <9 convert.5 @0> (size=536870912,offset=512): f32[2,512,32000]
+_ASSIGNMENT = """allocation 0: size 16384, parameter 0, shape |f32[4,16,64]| at ShapeIndex {}:
+ value: <1 param.0 @0> (size=16384,offset=0): f32[4,16,64]{2,1,0}
+allocation 1: size 16384, parameter 1, shape |f32[4,16,64]| at ShapeIndex {}:
+ value: <2 param.1 @0> (size=16384,offset=0): f32[4,16,64]{2,1,0}
+ value: <3 fusion.12 @0> (size=16384,offset=0): f32[4,16,64]{2,1,0}
+allocation 2: size 1024, parameter 2, shape |s32[2,128]| at ShapeIndex {}:
+ value: <4 param.2 @0> (size=1024,offset=0): s32[2,128]{1,0}
+allocation 3: size 4, thread-local:
+ value: <5 add.99 @0> (size=4,offset=0): f32[]
+allocation 4: size 9000000, preallocated-temp:
+ value: <6 convert.1 @0> (size=8192,offset=0): bf16[4,16,64]{2,1,0}
+ value: <7 all-gather.1 @0> (size=8192,offset=8192): bf16[64,64]{1,0}
+ value: <8 fusion.11 @0> (size=1600000,offset=16384): f32[4,400,1000]{2,1,0}
+ value: <9 while.5{} (phi) @0> (size=16,offset=16384): (s32[], bf16[4,2,128,64])
+ value: <10 while.5{1} (phi) @0> (size=262144,offset=16400): bf16[4,2,128,64]{3,2,1,0:T(8,128)(2,1)}
+ value: <11 fusion.7 @0> (size=1024000,offset=300000): f32[2,128,1000]{2,1,0}
+ value: <12 fusion.8 @0> (size=524288,offset=1400000): f32[2,4,128,128]{3,2,1,0}
+ value: <13 fusion.9 @0> (size=16384,offset=2000000): f32[4,16,64]{2,1,0}
+ value: <14 fusion.10 @0> (size=65536,offset=2100000): f32[2,128,64]{2,1,0}
+ value: <15 copy.3 @0> (size=65536,offset=2200000): f32[2,128,64]{2,1,0}
+allocation 5: size 99999, color 1, preallocated-temp:
+ value: <16 fusion.9 @0> (size=99999,offset=0): f32[4,16,64]{2,1,0}
+"""
+_HLO = """HloModule jit_split_train_step
+
+%body (p: (s32[], bf16[4,2,128,64])) -> (s32[], bf16[4,2,128,64]) {
+  %add.99 = f32[] add(%a, %b), metadata={op_name="jit(split_train_step)/jvp(Transformer)/decoder/while/body/add"}
+}
+
+ENTRY %main.1_spmd (param.0: f32[4,16,64], param.1: f32[4,16,64], param.2: s32[2,128]) -> (f32[4,16,64]) {
+  %param.0 = f32[4,16,64]{2,1,0} parameter(0), sharding={devices=[1,4,1]<=[4]}, metadata={op_name="params[\\'decoder\\'][\\'layers\\'][\\'mlp\\'][\\'wi_0\\'][\\'kernel\\']"}
+  %param.1 = f32[4,16,64]{2,1,0} parameter(1), sharding={devices=[1,4,1]<=[4]}, metadata={op_name="rest.opt_state[1][0].mu[\\'decoder\\'][\\'layers\\'][\\'mlp\\'][\\'wi_0\\'][\\'kernel\\']"}
+  %param.2 = s32[2,128]{1,0} parameter(2), sharding={devices=[4,1]<=[4]}, metadata={op_name="batch[\\'inputs\\']"}
+  %convert.1 = bf16[4,16,64]{2,1,0} convert(%param.0)
+  %all-gather.1 = bf16[64,64]{1,0} all-gather(%ds.1), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, metadata={op_name="jit(split_train_step)/jvp(Transformer)/decoder/while/body/closed_call/layers/mlp/wi_0/dot_general" stack_frame_id=3}
+  %fusion.11 = f32[4,400,1000]{2,1,0} fusion(%x), kind=kLoop, calls=%f11, metadata={op_name="jit(split_train_step)/jvp(Transformer)/logits_dense/dot_general"}
+  %while.5 = (s32[], bf16[4,2,128,64]{3,2,1,0:T(8,128)(2,1)}) while(%tuple.4), condition=%cond, body=%body, metadata={op_name="jit(split_train_step)/jvp(Transformer)/decoder/while"}
+  %fusion.7 = f32[2,128,1000]{2,1,0} fusion(%gte.1, %all-gather.1), kind=kOutput, calls=%f7, metadata={op_name="jit(split_train_step)/jvp(Transformer)/logits_dense/dot_general"}
+  %fusion.8 = f32[2,4,128,128]{3,2,1,0} fusion(%gte.1), kind=kOutput, calls=%f8, metadata={op_name="jit(split_train_step)/transpose(jvp(Transformer))/decoder/while/body/closed_call/checkpoint/layers/self_attention/dot_general"}
+  %fusion.9 = f32[4,16,64]{2,1,0} fusion(%fusion.8), kind=kLoop, calls=%f9, metadata={op_name="jit(split_train_step)/transpose(jvp(Transformer))/decoder/while"}
+  %fusion.10 = f32[2,128,64]{2,1,0} fusion(%gte.1), kind=kLoop, calls=%f10, metadata={op_name="jit(split_train_step)/jvp(Transformer)/decoder_norm/mul"}
+  %copy.3 = f32[2,128,64]{2,1,0} copy(%fusion.10)
+  %fusion.12 = f32[4,16,64]{2,1,0} fusion(%param.1, %fusion.9), kind=kLoop, calls=%f12, metadata={op_name="jit(split_train_step)/add"}
+  ROOT %tuple.1 = (f32[4,16,64]{2,1,0}) tuple(%fusion.12)
+}
 """  # noqa: E501
-_HLO = (
-  "  %fusion.3 = bf16[32,2,8192,4096] fusion(%a), metadata={op_name="
-  '"jit(train_step)/jvp(Transformer)/decoder/while/body/dynamic_update_slice" stack_frame_id=3}\n'
-  '  %while.2 = (s32[]) while(%t), metadata={op_name="jit(train_step)/transpose(jvp(Transformer))/decoder/while"}\n'
-)
 
 
-def test_largest_buffers_join_xla_reports_with_op_names(tmp_path):
+def test_buffers_live_at_the_peak_are_named_by_role(tmp_path):
   for suffix, text in (
-    ("memory-usage-report.txt", _REPORT),
+    ("after_optimizations-live-range.txt", _LIVE_RANGES),
     ("after_optimizations-buffer-assignment.txt", _ASSIGNMENT),
     ("after_optimizations.txt", _HLO),
   ):
-    (tmp_path / f"module_0001.jit_train_step.{suffix}").write_text(text)
-  buffers = buffer_report.largest_buffers(str(tmp_path))
-  assert buffers == [
-    buffer_report.Buffer(
-      4 * 2**30, "2×bf16[32,2,8192,4096]", ("decoder/while/body/dynamic_update_slice", "backward: decoder/while")
+    (tmp_path / f"module_0001.jit_split_train_step.{suffix}").write_text(text)
+  wi_0 = "decoder/layers/mlp/wi_0/kernel"
+  buffers = buffer_report.live_at_peak(str(tmp_path), buffer_report.Model(seq=128, vocab=(1000,)))
+  assert [(b.size, b.role, b.what, b.shape) for b in buffers] == [
+    (1024000, "logits", "logits (logits_dense/dot_general)", "f32[2,128,1000]"),
+    (524288, "attention scores", "gradient (decoder/layers/self_attention/dot_general)", "f32[2,4,128,128]"),
+    (
+      262144,
+      "saved activations",
+      "kept by the 4 scanned layers for the backward pass (decoder/while)",
+      "bf16[4,2,128,64]",
     ),
-    buffer_report.Buffer(512 * 2**20, "f32[2,512,32000]", ("convert.5 (XLA)",)),
+    (65536, "activations", "decoder_norm/mul (copy)", "f32[2,128,64]"),
+    (16384, "gradients", wi_0, "f32[4,16,64]"),
+    (16384, "optimizer state", f"mu of {wi_0}", "f32[4,16,64]"),
+    (16384, "weights", wi_0, "f32[4,16,64]"),
+    (8192, "weights, gathered or cast", wi_0, "bf16[64,64]"),
+    (8192, "weights, gathered or cast", f"{wi_0}, bf16 convert", "bf16[4,16,64]"),
+    (16, "other", "while.5's tuple (its elements' addresses)", "(s32[],"),
   ]
-  assert buffer_report.largest_buffers(str(tmp_path / "missing")) == []
+  roles = {role: (size, n) for role, size, n in buffer_report.by_role(buffers)}
+  assert roles["weights, gathered or cast"] == (16384, 2) and "data batch" not in roles  # the batch died at t=3
+  lines = buffer_report.format_report(buffers, count=3)
+  assert lines[0] == "live at the memory peak, per device: 1.85 MiB in 10 buffers, by role:"
+  assert lines[1].split() == ["logits", "1000.0", "KiB", "(1", "buffer)"]
+  assert lines[-3:] == [
+    "  1000.0 KiB  logits                     f32[2,128,1000]: logits (logits_dense/dot_general)",
+    "   512.0 KiB  attention scores           f32[2,4,128,128]: gradient (decoder/layers/self_attention/dot_general)",
+    "   256.0 KiB  saved activations          bf16[4,2,128,64]: kept by the 4 scanned layers for the backward pass "
+    "(decoder/while)",
+  ]
+  assert buffer_report.live_at_peak(str(tmp_path / "missing"), buffer_report.Model(128, (1000,))) == []
   assert buffer_report.dump_dir_in("--xla_foo=1 --xla_dump_to=/a --xla_dump_to=/b/c") == "/b/c"
   assert buffer_report.dump_dir_in("--xla_force_host_platform_device_count=8") is None
 
@@ -426,7 +498,7 @@ from MaxLite.aot import compile_step
 from MaxLite.config import validation
 from MaxLite.parallel import sharding
 from MaxLite.parallel import topologies
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_state import abstract_state

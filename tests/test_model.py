@@ -8,8 +8,8 @@ import pytest
 from conftest import make_config
 
 from MaxLite.layers.attention import attention_mask, dot_product_attention
-from MaxLite.layers.decoder import Transformer, stack_layers, unstack_layers
 from MaxLite.layers.rope import apply_rope, default_frequencies
+from MaxLite.models.transformer import Transformer, stack_layers, unstack_layers
 from MaxLite.training.train_step import batch_loss_sums
 
 SEQ = 32

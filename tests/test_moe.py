@@ -12,8 +12,8 @@ import pytest
 from conftest import first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite.layers.decoder import Transformer, stack_layers
 from MaxLite.layers.moe_sparse import GroupedMatmul, sparse_experts
+from MaxLite.models.transformer import Transformer, stack_layers
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.train_step import batch_loss_sums

@@ -1,4 +1,4 @@
-"""The decoder as a Flax NNX module (MaxLite/nnx_module.py): sharded by its own partition metadata, an NNX user's
+"""The decoder as a Flax NNX module (MaxLite/training/nnx_module.py): sharded by its own partition metadata, an NNX user's
 training step equals MaxLite's, and its parameters go to and from MaxLite checkpoints unchanged."""
 
 import flax.linen as nn
@@ -10,13 +10,15 @@ from conftest import first_devices, make_config
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import builder, nnx_module
+from MaxLite.training import nnx_module
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint.manager import sharded_target
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data import input_pipeline
+from MaxLite.models import build
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training import builder
 from MaxLite.training import loss as loss_lib
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.trainer import initial_state, train
@@ -95,7 +97,7 @@ def test_checkpoints_round_trip_through_the_nnx_module(tmp_path):
   mesh = create_mesh(config, first_devices(8))
 
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding_lib.axis_rules(config)):
-    parameters = builder.parameters(config, mesh)
+    parameters = build.parameters(config, mesh)
     saved = _host(lora_steps.load_params(step_dir, sharded_target(parameters.abstract, parameters.shardings)))
   model = nnx_module.nnx_model(config, mesh)
   same_place = jax.tree.map(

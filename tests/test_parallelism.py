@@ -15,11 +15,11 @@ from flax.linen import partitioning as nn_partitioning
 
 from MaxLite.aot.compile_step import lower_train_step
 from MaxLite.cli.errors import ConfigError
-from MaxLite.layers.decoder import Transformer
 from MaxLite.layers.moe import MoeBlock, expert_capacity, load_balance_loss, route
+from MaxLite.models.flops import training_flops_per_step
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
-from MaxLite.training.flops import training_flops_per_step
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.train_state import abstract_state
 from MaxLite.training.trainer import train

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE, REPO, first_devices, make_config
 
+from MaxLite.models import flops
 from MaxLite.parallel import topologies
 from MaxLite.planning import candidates, hlo_costs, hlo_text, perf_model, planner, search
-from MaxLite.training import flops
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 

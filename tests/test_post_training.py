@@ -14,14 +14,14 @@ from conftest import REPO, first_devices, make_config
 from test_hf_interop import hf_model, maxlite_config, maxlite_params
 
 from MaxLite.checkpoint import hf as convert_hf
-from MaxLite.checkpoint.hf_layout import global_tensors, layer_tensors
 from MaxLite.checkpoint.manager import saved_arrays
 from MaxLite.cli.errors import ConfigError, InputError
 from MaxLite.data.grain_pipeline import Records, make_grain_iterator
 from MaxLite.data.packing import Group, Masked, pack_documents
 from MaxLite.data.records import EncodeRecord
 from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.hf_layout import global_tensors, layer_tensors
+from MaxLite.models.transformer import Transformer
 from MaxLite.training import dpo, loss
 from MaxLite.training.train_step import batch_loss_sums
 from MaxLite.training.trainer import train

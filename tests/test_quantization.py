@@ -79,22 +79,22 @@ def test_a_projection_is_qwix_own_quantized_dot_general(mode, forward, backward)
 
 
 def _logits(config, params, ids):
-  from MaxLite import builder
+  from MaxLite.models import build
 
   pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-  return np.asarray(builder.model(config).apply({"params": params}, ids, pos, np.ones_like(ids)))
+  return np.asarray(build.model(config).apply({"params": params}, ids, pos, np.ones_like(ids)))
 
 
 def test_only_the_projections_are_quantized():
   """The quantized model's logits differ from the plain model's; making the projections' rule match nothing (a
   path no module has) gives the plain logits back, so nothing outside the projections (attention scores, the
   embedding, the head) is quantized."""
-  from MaxLite import builder
   from MaxLite.layers import quantization
+  from MaxLite.models import build
 
   plain = make_config("model_name=tiny", "max_target_length=32")
   int8 = make_config("model_name=tiny", "max_target_length=32", *INT8)
-  params = builder.model(plain).init(jax.random.key(0), *(np.ones((2, 32), np.int32),) * 3)["params"]
+  params = build.model(plain).init(jax.random.key(0), *(np.ones((2, 32), np.int32),) * 3)["params"]
   ids = np.random.default_rng(0).integers(0, 8192, (2, 32))
   assert np.abs(_logits(int8, params, ids) - _logits(plain, params, ids)).max() > 1e-3
   original = quantization.PROJECTIONS
@@ -290,11 +290,11 @@ def _int8_matmuls(config) -> int:
   """How many matmuls of the model's forward pass take int8 operands (each traced layer counted once)."""
   import jax.extend as jex
 
-  from MaxLite import builder
+  from MaxLite.models import build
 
   ids = np.ones((2, 32), np.int32)
-  params = jax.eval_shape(lambda: builder.model(config).init(jax.random.key(0), ids, ids, ids))["params"]
-  traced = jax.make_jaxpr(lambda p: builder.model(config).apply({"params": p}, ids, ids, ids))(params)
+  params = jax.eval_shape(lambda: build.model(config).init(jax.random.key(0), ids, ids, ids))["params"]
+  traced = jax.make_jaxpr(lambda p: build.model(config).apply({"params": p}, ids, ids, ids))(params)
 
   def eqns(jaxpr):
     for eqn in jaxpr.eqns:

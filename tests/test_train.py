@@ -9,7 +9,7 @@ import pytest
 from conftest import first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training.metrics import NonFiniteLossError
@@ -301,3 +301,51 @@ def test_a_resumed_run_logs_each_step_once(tmp_path, where, request):
   rows = [json.loads(line) for line in storage.read_text(storage.join(out, "re", "metrics.jsonl")).splitlines()]
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
   assert rows[:2] == first[:2] and rows[2:] == second  # the replayed steps' rows are the resumed run's
+
+
+@pytest.mark.parametrize(
+  "kind, flags, values, shown",
+  [
+    ("plain", {}, {"tokens": 4096.0}, "trained_tokens 4.1K"),
+    ("sft", {"use_sft": True}, {"tokens": 1234.0}, "trained_tokens 1.2K"),
+    (
+      "dpo",
+      {"use_dpo": True},
+      {"tokens": 987.0, "pairs": 4.0, "rewards/accuracies": 0.5, "rewards/margins": 0.1},
+      "trained_tokens 987",
+    ),
+    (
+      "ensemble",
+      {"ensemble_size": 2},
+      {"tokens": 2.5e6, "loss/member_0": 2.0, "loss/member_1": 2.2},
+      "trained_tokens 2.5M",
+    ),
+  ],
+)
+def test_step_line_shows_the_trained_tokens_of_every_kind_of_run(kind, flags, values, shown):
+  """The console's step line carries the tokens the loss covered, as metrics.jsonl does, whatever the run trains."""
+  from types import SimpleNamespace
+
+  from MaxLite.training.metrics import log_line, metrics_row
+
+  config = SimpleNamespace(
+    global_batch_size_to_train_on=8,
+    ensemble_size=1,
+    max_target_length=512,
+    z_loss_multiplier=0.0,
+    use_sft=False,
+    use_dpo=False,
+    peak_tflops_per_device=0.0,
+  )
+  vars(config).update(flags)
+  row = metrics_row(config, 3, {"loss": 2.0, "grad_norm": 1.0, "learning_rate": 1e-3, **values}, 0.5, 1.0)
+  assert row["trained_tokens"] == values["tokens"]
+  assert f"| {shown} |" in log_line(row) + " |", log_line(row)
+
+
+def test_a_training_run_logs_its_trained_tokens_each_step(tmp_path, caplog):
+  caplog.set_level(logging.INFO)
+  config = make_config(*TINY, f"base_output_directory={tmp_path}", "per_device_batch_size=2", "steps=2")
+  train(config, first_devices(1))
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+  assert len(lines) == 2 and all("| trained_tokens 128 |" in line for line in lines), lines  # 2 rows x 64 tokens

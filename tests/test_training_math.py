@@ -11,7 +11,7 @@ import pytest
 from conftest import first_devices, make_config
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite.layers.decoder import Transformer
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training import train_step as train_step_lib

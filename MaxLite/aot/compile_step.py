@@ -81,10 +81,10 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   import jax.numpy as jnp
   from flax.linen import partitioning as nn_partitioning
 
-  from MaxLite import builder
   from MaxLite.data import BATCH_KEYS
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
+  from MaxLite.training import builder
 
   mesh = create_mesh(config, devices)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
@@ -167,6 +167,15 @@ def device_bytes(mem: Any, allocated: int | None = None) -> tuple[int, str]:
   return memory_total(mem, ""), "memory_analysis() sum"
 
 
+def model_dims(config: Any) -> buffer_report.Model:
+  """The sequence length and the widths the logits may have on one device: the vocabulary, a slice of it
+  (num_vocab_slices), either split over the tensor axis."""
+  tensor = dict(zip(choices.MESH_AXES, config.mesh_shape)).get("tensor", 1)
+  slices = max(config.num_vocab_slices, 1)
+  widths = {config.vocab_size // k for k in (1, slices, tensor, slices * tensor)}
+  return buffer_report.Model(seq=config.max_target_length, vocab=tuple(sorted(widths)))
+
+
 def _where(offloaded: bool) -> str:
   return " in host memory (offloaded)" if offloaded else ""
 
@@ -185,11 +194,11 @@ def report(
   compiled: Any,
   state_bytes: dict,
   seconds: float,
-  buffers: Sequence[buffer_report.Buffer] = (),
+  buffers: Sequence[buffer_report.Buffer] = (),  # every buffer live at the memory peak
   allocated: int | None = None,
 ) -> tuple[str, bool]:
   """The printed summary and whether the step fits in the chip's HBM."""
-  from MaxLite.training import flops
+  from MaxLite.models import flops
 
   mem = compiled.memory_analysis()
   (needed, source), host = device_bytes(mem, allocated), memory_total(mem, "host_")
@@ -229,17 +238,9 @@ def report(
     flags = os.environ.get("LIBTPU_INIT_ARGS", "")
     source = os.environ.get("MAXLITE_LIBTPU_FLAGS_SOURCE", "LIBTPU_INIT_ARGS from the environment")
     lines += [f"XLA flags ({source}): {flags or '(none)'}"]
-  if buffers:
-    lines += ["largest buffers at the memory peak (size, shapes over time <- the ops that made them):"]
-    lines += buffer_report.format_buffers(list(buffers), _gib)
+  lines += buffer_report.format_report(list(buffers))
   if buffers and target.chip is not None and needed > target.chip.hbm_bytes:
-    hints = buffer_report.shrink_hints(
-      list(buffers),
-      config.base_num_decoder_layers,
-      config.vocab_size,
-      config.max_target_length,
-      config.attention_kernel,
-    )
+    hints = buffer_report.shrink_hints(list(buffers), config.attention_kernel)
     lines += ["keys that would shrink the largest buffers:", *[f"  {h}" for h in hints]]
   if config.quantization and target.chip is not None:
     from MaxLite.layers.quantization import native_path_note
@@ -335,7 +336,8 @@ def _compile_and_report(
     )
     return DOES_NOT_FIT
   seconds = time.perf_counter() - start
-  buffers, allocated = buffer_report.largest_buffers(dump_dir), buffer_report.allocated_bytes(dump_dir)
+  buffers = buffer_report.live_at_peak(dump_dir, model_dims(config))
+  allocated = buffer_report.allocated_bytes(dump_dir)
   text, fits = report(config, target, compiled, state_bytes, seconds, buffers, allocated)
   print(text, flush=True)
   if config.compiled_trainstep_file:

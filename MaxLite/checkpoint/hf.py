@@ -18,15 +18,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from MaxLite import builder, models, storage
 from MaxLite import config as config_lib
+from MaxLite import models, storage
 from MaxLite.checkpoint import STATE, lora_steps, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
-from MaxLite.checkpoint.hf_layout import layer_slot, part_slice
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.checkpoint.tokenizer_export import write_tokenizer
 from MaxLite.cli.errors import InputError
 from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.models import build
+from MaxLite.models.hf_layout import layer_slot, part_slice
 from MaxLite.storage.layout import newest_step
 
 _REQUIRED = object()
@@ -125,7 +126,7 @@ def _check_against_model(params: dict, config: Any) -> None:
   """Every converted tensor has the shape the configured model expects (a config.json / weights mismatch)."""
   expected = {
     checkpointing.path_name(p): leaf.shape
-    for p, leaf in jax.tree_util.tree_flatten_with_path(builder.abstract_parameters(config))[0]
+    for p, leaf in jax.tree_util.tree_flatten_with_path(build.abstract_parameters(config))[0]
   }
   got = {checkpointing.path_name(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   for name, shape in expected.items():
@@ -179,7 +180,7 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str], adapter: 
       f"tokenizer_path={config.tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
       f"{config.vocab_size}: pass the model's own tokenizer (tokenizer_type=... tokenizer_path=...)"
     )
-  abstract = builder.abstract_parameters(config)
+  abstract = build.abstract_parameters(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
   params = jax.tree.map(np.asarray, lora_steps.load_params(checkpoint_path, target, config.ensemble_member))

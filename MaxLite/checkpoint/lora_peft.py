@@ -21,9 +21,9 @@ import numpy as np
 from absl import logging
 
 from MaxLite import models, storage
-from MaxLite.checkpoint.hf_layout import layer_slot
 from MaxLite.checkpoint.safetensors_io import read_file, write_file
 from MaxLite.cli.errors import CheckpointError
+from MaxLite.models.hf_layout import layer_slot
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModelForCausalLM -> the transformers model

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from absl import app, flags, logging
 
@@ -69,12 +69,30 @@ def _str2bool(value: str) -> bool:
   raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -> NoReturn:
-  """Runs a `CONFIG.yml [key=value ...]` tool under absl and exits with its code."""
+class KeyDocs(Protocol):
+  """What a config tool's --help and --describe read: the config schema (MaxLite.config.schema), passed in by the
+  tool because cli/ sits below config/ and may not import it."""
+
+  def keys_help(self, program: str) -> str: ...
+
+  def describe(self, name: str) -> str: ...
+
+
+def run_config_tool(
+  entry: Entry, doc: str, argv: Sequence[str] | None = None, *, keys: KeyDocs | None = None
+) -> NoReturn:
+  """Runs a `CONFIG.yml [key=value ...]` tool under absl and exits with its code. With `keys`, --help lists the
+  config keys by concern and `--describe KEY` prints one."""
   argv = list(sys.argv if argv is None else argv)
+  program = os.path.basename(argv[0]) if argv else "maxlite"
   if any(arg in HELP_FLAGS for arg in argv[1:]):
     print(doc.strip())
+    if keys is not None:
+      print(keys.keys_help(program))
     sys.exit(0)
+  describe = [i for i, arg in enumerate(argv) if arg == "--describe" or arg.startswith("--describe=")]
+  if describe and keys is not None:
+    sys.exit(_describe(keys, argv, describe[0], program))
 
   def parse_flags(args: list[str]) -> list[str]:
     try:
@@ -96,6 +114,17 @@ def run_config_tool(entry: Entry, doc: str, argv: Sequence[str] | None = None) -
   logging.set_verbosity(logging.INFO)
   app.run(absl_main, argv=argv, flags_parser=parse_flags)
   sys.exit(0)  # app.run exits itself; this only tells type checkers so
+
+
+def _describe(keys: KeyDocs, argv: Sequence[str], at: int, program: str) -> int:
+  """`--describe KEY` (or GROUP, or all): the schema's word on it; an unknown name is one error line naming the
+  closest keys."""
+  arg = argv[at]
+  names = [arg.split("=", 1)[1]] if "=" in arg else argv[at + 1 : at + 2]
+  if not names or not names[0]:
+    print(f"error: --describe takes a config key, a group of keys or `all` (see {program} --help)", file=sys.stderr)
+    return BAD_INPUT
+  return run(lambda _: print(keys.describe(names[0])), [])
 
 
 def usage_line(doc: str, program: str) -> str:

@@ -1,8 +1,8 @@
 """Build the one validated, frozen config object from YAML files and key=value overrides.
 
 Order of precedence (later wins): the `base_config:` chain, the YAML named on the command line,
-`configs/models/<model_name>.yml`, then command-line overrides. Every key must exist in
-configs/base.yml, and every value is typed from the default there. Derived values (mesh shape,
+`configs/models/<model_name>.yml`, then command-line overrides. Every key must be defined in the schema
+(`schema.py`, which configs/base.yml mirrors), which also gives its default and type. Derived values (mesh shape,
 global batch, run directories, parameter count) are added by `validation.py`, so the rest of MaxLite
 reads a single object and never recomputes them.
 """
@@ -22,7 +22,7 @@ from absl import logging
 
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import maxtext_compat, validation
+from MaxLite.config import maxtext_compat, schema, validation
 from MaxLite.storage.layout import DATA_POSITIONS, newest_step, saved_config_path, step_dir_of, step_numbers
 
 BASE_CONFIG_PATH = os.path.join(storage.configs_dir(), "base.yml")
@@ -108,7 +108,10 @@ def _type_name(value: Any) -> str:
 
 
 def coerce(key: str, value: Any, default: Any, source: str) -> Any:
-  """Return `value` converted to the type of `default`, or raise a ConfigError naming the key."""
+  """Return `value` as the schema types `key` (or, for a name the schema lacks, as the type of `default`), or raise a
+  ConfigError naming the key."""
+  if key in schema.FIELDS:
+    return schema.coerce(key, value, source)
   if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
     for parse in (int, float):  # YAML 1.1 reads "1e-4" as a string; Python does not
       try:
@@ -205,8 +208,8 @@ def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
   # a file of that name under the working directory still wins.
   config_path = storage.resolve(config_path)
   overrides = _canonical(parse_overrides(argv[1:]), "from command line")
-  defaults = _read_yaml(BASE_CONFIG_PATH)
-  config = dict(defaults)
+  defaults = schema.defaults()
+  config = schema.defaults()
   from_file = _canonical(_read_with_inheritance(config_path), f"from {config_path}")
   _merge(config, from_file, f"from {config_path}", defaults)
 

@@ -13,9 +13,9 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from MaxLite import models, storage
+from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import attention_choice, ensembles, post_training
+from MaxLite.config import attention_choice, ensembles, families, post_training
 from MaxLite.config.choices import (
   ATTENTION,
   AXIS_KEY,
@@ -101,7 +101,7 @@ def _check_choices(c: dict[str, Any]) -> None:
     ("dataset_type", DATASET_TYPES),
     ("tokenizer_type", TOKENIZER_TYPES),
     ("grain_file_type", FILE_TYPES),
-    ("decoder_block", models.decoder_blocks()),
+    ("decoder_block", families.decoder_blocks()),
     ("rope_type", ROPE_TYPES),
     ("profiler", PROFILERS),
     ("decode_sampling_strategy", DECODE_SAMPLING_STRATEGIES),
@@ -181,7 +181,7 @@ def qlora_contractions(c: dict[str, Any]) -> list[tuple[str, str, int]]:
     shared.append(("shared_experts/wo", "shared_experts x moe_mlp_dim", c["shared_experts"] * moe_mlp_dim(c)))
   pipelined = c["ici_pipeline_parallelism"] != 1 or c["dcn_pipeline_parallelism"] != 1
   out = [] if c["logits_via_embedding"] else [("logits_dense", *emb)]
-  for stack in models.family(c["decoder_block"]).stacks(types.SimpleNamespace(**c)):
+  for stack in families.family(c["decoder_block"]).stacks(types.SimpleNamespace(**c)):
     moe = stack.options.get("moe", c["num_experts"] > 1)
     prefixes = (
       [f"decoder/{stack.name}/"] if c["scan_layers"] else [f"decoder/{stack.name}_{j}/" for j in range(stack.count)]
@@ -462,7 +462,7 @@ def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, bat
 
 
 def _check_model_features(c: dict[str, Any]) -> None:
-  models.family(c["decoder_block"]).check(c)
+  families.family(c["decoder_block"]).check(c)
   if c["head_dim"] % 2:
     raise ConfigError(f"head_dim={c['head_dim']} must be even (RoPE rotates pairs of features)")
   if c["fused_qkv"] and c["base_num_kv_heads"] != c["base_num_query_heads"]:
@@ -502,7 +502,7 @@ def moe_mlp_dim(c: dict[str, Any]) -> int:
 def parameter_count(c: dict[str, Any]) -> int:
   """Exact number of parameters of the decoder, counted by its family (tested against the real model and
   transformers' own)."""
-  return models.family(c["decoder_block"]).parameter_count(c)
+  return families.family(c["decoder_block"]).parameter_count(c)
 
 
 def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> None:

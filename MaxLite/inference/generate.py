@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import builder, storage
 from MaxLite import config as config_lib
+from MaxLite import storage
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data.chat import ChatTemplate
 from MaxLite.data.tokenizer import load_tokenizer
+from MaxLite.models import build
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
 
@@ -107,7 +108,7 @@ def generate(
   for row, prompt in enumerate(prompts):
     ids[row, : len(prompt)] = prompt
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  model = builder.model(config, decode=True, stored=False)  # LoRA's adapters come merged into the weights
+  model = build.model(config, decode=True, stored=False)  # LoRA's adapters come merged into the weights
   prefill = jax.jit(functools.partial(_prefill, model=model))
   step = jax.jit(functools.partial(_step, model=model), donate_argnums=1)
   logits, cache = prefill(params, jnp.asarray(ids), lengths)
@@ -133,10 +134,10 @@ def load_params(config: Any, mesh: Any) -> Any:
   """The checkpoint's params placed by the logical rules, or a random init when no path is given. A LoRA step comes
   with its adapters merged (checkpoint/lora_steps.py); with enable_lora, a PEFT adapter (hf_lora_adapter_path) is
   merged into the loaded base the same way."""
-  params = builder.parameters(config, mesh, stored=False)
+  params = build.parameters(config, mesh, stored=False)
   if not config.load_parameters_path:
     print("warning: no load_parameters_path: decoding with randomly initialised weights", file=sys.stderr)
-    return builder.random_parameters(config, params)
+    return build.random_parameters(config, params)
   target = checkpointing.sharded_target(params.abstract, params.shardings)
   loaded = lora_steps.load_params(config.load_parameters_path, target, config.ensemble_member)
   if not (config.enable_lora and config.hf_lora_adapter_path):
@@ -144,7 +145,7 @@ def load_params(config: Any, mesh: Any) -> Any:
   from MaxLite.checkpoint import lora_peft
   from MaxLite.layers import lora
 
-  abstract_adapters, _ = lora.split(builder.parameters(config, mesh).abstract)
+  abstract_adapters, _ = lora.split(build.parameters(config, mesh).abstract)
   adapters = lora_peft.read_adapter(config.hf_lora_adapter_path, config, abstract_adapters)
   merge = jax.jit(lambda b, a: lora.merged(b, a, lora.scale(config)), out_shardings=params.shardings)
   return merge(loaded, adapters)

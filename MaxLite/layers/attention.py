@@ -20,7 +20,7 @@ from MaxLite.layers.cudnn import cudnn_attention
 from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
-from MaxLite.layers.rope import apply_rope, default_frequencies, rope_frequencies
+from MaxLite.layers.rope import apply_rope, rope_frequencies
 from MaxLite.layers.splash import splash_attention
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
@@ -28,14 +28,14 @@ BATCH, LENGTH = "activation_batch", "activation_length"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully padded rows stay NaN-free
 
 
-def attention_mask(segment_ids: jax.Array, window: int = 0, local: Any = True) -> jax.Array:
+def attention_mask(segment_ids: jax.Array, window: int = 0, sliding: Any = True) -> jax.Array:
   """[batch, 1, 1, q, k] boolean: causal and within the same (non-padding) segment; with a window > 0, where
-  `local` (a bool, traced under nn.scan) also only the `window` latest keys: q - window < k <= q."""
+  `sliding` (a bool, traced under nn.scan) also only the `window` latest keys: q - window < k <= q."""
   seq = segment_ids.shape[-1]
   causal = jnp.tril(jnp.ones((seq, seq), dtype=jnp.bool_))
   if window > 0:
     in_window = jnp.triu(jnp.ones((seq, seq), dtype=jnp.bool_), -(window - 1))
-    causal = causal & (in_window | jnp.logical_not(local))
+    causal = causal & (in_window | jnp.logical_not(sliding))
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
   return (causal[None] & same_segment)[:, None, None, :, :]
 
@@ -59,35 +59,101 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 
 
 def cached_attention_mask(
-  positions: jax.Array, segment_ids: jax.Array, cached_segments: jax.Array, window: int = 0, local: Any = True
+  positions: jax.Array, segment_ids: jax.Array, cached_segments: jax.Array, window: int = 0, sliding: Any = True
 ) -> jax.Array:
   """[batch, 1, 1, q, cache_len]: queries at `positions` see cache slots at or before them that hold
   a token of their own segment (a slot holds the token whose position equals its index); with a window, where
-  `local`, only the `window` latest."""
+  `sliding`, only the `window` latest."""
   slots = jnp.arange(cached_segments.shape[-1])
   visible = slots[None, None, :] <= positions[:, :, None]
   if window > 0:
     in_window = slots[None, None, :] > positions[:, :, None] - window
-    visible = visible & (in_window | jnp.logical_not(local))
+    visible = visible & (in_window | jnp.logical_not(sliding))
   same_segment = cached_segments[:, None, :] == segment_ids[:, :, None]
   return (visible & same_segment)[:, None, None, :, :]
 
 
-class Attention(nn.Module):
-  """decode=True keeps keys and values in a "cache" collection [batch, max_target_length, ...]:
-  each call writes its tokens at their positions and attends over everything cached so far.
-
-  local (Gemma 3's layers; a bool, traced under nn.scan): this layer attends within sliding_window_size and turns
-  by local_rope_max_timescale; None = every layer is global."""
+class AttentionCore(nn.Module):
+  """What every attention variant shares once it has its queries, keys and values: the kernel the config chose, the
+  KV cache when decoding (decode=True keeps keys and values in a "cache" collection [batch, max_target_length, ...];
+  each call writes its tokens at their positions and attends over everything cached so far), and the output
+  projection."""
 
   config: Config
   decode: bool = False
+
+  def _attend_and_project(
+    self,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    sliding: Any,
+  ) -> jax.Array:
+    """Attention of scaled q over k, v (the KV cache when decoding), then the output projection; `sliding` as
+    Attention's."""
+    cfg = self.config
+    window = cfg.sliding_window_size if sliding is not None else 0
+    cap = cfg.attn_logits_soft_cap
+    if self.decode:
+      k, v, mask = self._update_cache(k, v, positions, segment_ids, window, sliding)
+      out = dot_product_attention(q, k, v, mask, cap)
+    elif cfg.attention_kernel == "splash":
+      attend = lambda w: splash_attention(q, k, v, segment_ids, cfg, cfg.attention_interpret, window=w, cap=cap)
+      # Both kernels are compiled; the layer runs one (nn.scan traces a single layer for local and global ones).
+      out = jax.lax.cond(sliding, lambda: attend(window), lambda: attend(0)) if window else attend(0)
+    elif cfg.attention_kernel == "cudnn":
+      attend = lambda w: cudnn_attention(q, k, v, segment_ids, cfg.attention_segments, window=w)
+      out = jax.lax.cond(sliding, lambda: attend(window), lambda: attend(0)) if window else attend(0)
+    else:
+      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, sliding), cap)
+    out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
+    out = checkpoint_name(out, "context")
+    out = DenseGeneral(
+      cfg.base_emb_dim,
+      ("heads", "kv", "embed"),
+      axis=(-2, -1),
+      dtype=dtype_of(cfg.dtype),
+      weight_dtype=dtype_of(cfg.weight_dtype),
+      init_scale=cfg.dense_init_scale,
+      name="out",
+      **quantized_base(cfg),
+    )(out)
+    # Constrained before it is named: with activation_embed split over `tensor` the saved copy is the
+    # reduce-scattered shard, not the all-reduced whole.
+    return checkpoint_name(nn.with_logical_constraint(out, EMBED_ACTIVATION), "out_proj")
+
+  def _update_cache(
+    self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array, window: int, sliding: Any
+  ) -> tuple:
+    b, length = k.shape[0], self.config.max_target_length
+    axes = (BATCH, None, "activation_kv_heads", "activation_kv")
+    cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, length, *k.shape[2:]), k.dtype)
+    cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, length, *v.shape[2:]), v.dtype)
+    cached_seg = self.variable("cache", "cached_segment_ids", jnp.zeros, (b, length), jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, positions].set(k), axes)
+    cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, positions].set(v), axes)
+    cached_seg.value = cached_seg.value.at[rows, positions].set(segment_ids)
+    mask = cached_attention_mask(positions, segment_ids, cached_seg.value, window, sliding)
+    return cached_k.value, cached_v.value, mask
+
+
+class Attention(AttentionCore):
+  """Multi-head attention with grouped keys and values (MHA, GQA, MQA), optional q/k norms and biases.
+
+  sliding (a bool, traced under nn.scan where layers differ): this layer attends within sliding_window_size; None =
+  full causal attention. rope: (frequencies, scale) for a family whose layers turn differently (Gemma 3's local
+  ones); None = the config's RoPE."""
+
   qk_norm_offset: float = 0.0  # the q/k norms' weight convention (layers/norms.py; Gemma: 1)
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, local: Any = None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, sliding: Any = None, rope: Any = None
+  ) -> jax.Array:
     cfg = self.config
-    window = cfg.sliding_window_size if local is not None else 0
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     scale = cfg.dense_init_scale
 
@@ -110,74 +176,13 @@ class Attention(nn.Module):
     k = nn.with_logical_constraint(k, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
     v = nn.with_logical_constraint(v, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
 
-    frequencies, rope_scale = rope_frequencies(cfg)
-    if local is not None:  # a local layer turns by its own base, unscaled (Gemma 3)
-      theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
-      local_frequencies = default_frequencies(cfg.head_dim, theta)
-      frequencies = jnp.where(local, local_frequencies, frequencies)
-      rope_scale = jnp.where(local, 1.0, rope_scale) if rope_scale != 1.0 else rope_scale
+    frequencies, rope_scale = rope_frequencies(cfg) if rope is None else rope
     q = apply_rope(q, positions, frequencies, rope_scale)
     k = apply_rope(k, positions, frequencies, rope_scale)
     # Named as attention reads them (after norm, RoPE and scaling), so a saved q/k/v needs nothing recomputed.
     q = checkpoint_name(q * jnp.asarray(query_scale(cfg), q.dtype), "query_proj")
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
-    return self._attend_and_project(q, k, v, positions, segment_ids, window, local)
-
-  def _attend_and_project(
-    self,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    segment_ids: jax.Array,
-    window: int,
-    local: Any,
-  ) -> jax.Array:
-    """Attention of scaled q over k, v (the KV cache when decoding), then the output projection."""
-    cfg = self.config
-    cap = cfg.attn_logits_soft_cap
-    if self.decode:
-      k, v, mask = self._update_cache(k, v, positions, segment_ids, window, local)
-      out = dot_product_attention(q, k, v, mask, cap)
-    elif cfg.attention_kernel == "splash":
-      attend = lambda w: splash_attention(q, k, v, segment_ids, cfg, cfg.attention_interpret, window=w, cap=cap)
-      # Both kernels are compiled; the layer runs one (nn.scan traces a single layer for local and global ones).
-      out = jax.lax.cond(local, lambda: attend(window), lambda: attend(0)) if window else attend(0)
-    elif cfg.attention_kernel == "cudnn":
-      attend = lambda w: cudnn_attention(q, k, v, segment_ids, cfg.attention_segments, window=w)
-      out = jax.lax.cond(local, lambda: attend(window), lambda: attend(0)) if window else attend(0)
-    else:
-      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, local), cap)
-    out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
-    out = checkpoint_name(out, "context")
-    out = DenseGeneral(
-      cfg.base_emb_dim,
-      ("heads", "kv", "embed"),
-      axis=(-2, -1),
-      dtype=dtype_of(cfg.dtype),
-      weight_dtype=dtype_of(cfg.weight_dtype),
-      init_scale=cfg.dense_init_scale,
-      name="out",
-      **quantized_base(cfg),
-    )(out)
-    # Constrained before it is named: with activation_embed split over `tensor` the saved copy is the
-    # reduce-scattered shard, not the all-reduced whole.
-    return checkpoint_name(nn.with_logical_constraint(out, EMBED_ACTIVATION), "out_proj")
-
-  def _update_cache(
-    self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array, window: int, local: Any
-  ) -> tuple:
-    b, length = k.shape[0], self.config.max_target_length
-    axes = (BATCH, None, "activation_kv_heads", "activation_kv")
-    cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, length, *k.shape[2:]), k.dtype)
-    cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, length, *v.shape[2:]), v.dtype)
-    cached_seg = self.variable("cache", "cached_segment_ids", jnp.zeros, (b, length), jnp.int32)
-    rows = jnp.arange(b)[:, None]
-    cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, positions].set(k), axes)
-    cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, positions].set(v), axes)
-    cached_seg.value = cached_seg.value.at[rows, positions].set(segment_ids)
-    mask = cached_attention_mask(positions, segment_ids, cached_seg.value, window, local)
-    return cached_k.value, cached_v.value, mask
+    return self._attend_and_project(q, k, v, positions, segment_ids, sliding)
 
 
 def query_scale(cfg: Config) -> float:

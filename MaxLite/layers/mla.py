@@ -13,15 +13,13 @@ Decoding caches the uncompressed per-head keys and values.
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
-from MaxLite.layers.attention import BATCH, LENGTH, Attention
+from MaxLite.layers.attention import BATCH, LENGTH, AttentionCore
 from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
@@ -35,9 +33,11 @@ def mla_query_scale(cfg: Config) -> float:
   return scale
 
 
-class MlaAttention(Attention):
+class MlaAttention(AttentionCore):
+  """Multi-head latent attention: queries and keys/values through low-rank latents, RoPE on a part of each head."""
+
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, local: Any = None) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     dense = dict(dtype=dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, **quantized_base(cfg))
@@ -66,4 +66,4 @@ class MlaAttention(Attention):
     v = nn.with_logical_constraint(v, (BATCH, LENGTH, "activation_kv_heads", "activation_kv"))
     q = checkpoint_name(q * jnp.asarray(mla_query_scale(cfg), q.dtype), "query_proj")
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
-    return self._attend_and_project(q, k, v, positions, segment_ids, 0, None)
+    return self._attend_and_project(q, k, v, positions, segment_ids, None)

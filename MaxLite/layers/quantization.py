@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 
 # The projections: submodules of a layer's attention (its own einsums are the scores), its MLP and shared experts.
-# A pipelined run applies each layer as a module of its own (layers/decoder.py), so the decoder prefix is optional.
+# A pipelined run applies each layer as a module of its own (models/transformer.py), so the decoder prefix is optional.
 PROJECTIONS = r"(decoder/\w*layers(_\d+)?/)?(self_attention/\w+|mlp|mlp/\w+|shared_experts|shared_experts/\w+)"
 
 

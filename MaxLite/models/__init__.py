@@ -1,114 +1,35 @@
 """The decoder families, by MaxText's `decoder_block` values: each module of this package registers one `Family`
-(its layer, parameter count, FLOPs and Hugging Face name map), so adding a family is adding a module here, a
-`configs/models/` file and its tests. The README's "Add a model family" walks through one (gemma3.py).
+(its layer, parameter count, FLOPs and Hugging Face name map) in the registry (config/families.py) when this package
+is imported, so adding a family is adding a module here (and to the import below), a `configs/models/` file and its
+tests. The README's "Add a model family" walks through one (gemma3.py).
 """
 
-from __future__ import annotations
+from MaxLite.config.families import (
+  Family,
+  HfLayout,
+  Stack,
+  architectures,
+  decoder_blocks,
+  family,
+  family_for_architecture,
+  one_stack,
+  register,
+)
 
-import dataclasses
-import importlib
-import pkgutil
-from collections.abc import Callable, Mapping
-from typing import Any
+# Each import registers its family (last: the modules use the names above).
+from MaxLite.models import deepseek, gemma3, llama  # noqa: E402
 
-
-@dataclasses.dataclass(frozen=True)
-class HfLayout:
-  """How a family maps onto Hugging Face checkpoints (checkpoint/hf.py streams the tensors).
-
-  architectures: the transformers classes it reads. settings(config.json dict, source name) -> MaxLite model keys
-  (a config.json asking for something the family does not compute is refused by name). config(config, bos_id,
-  eos_id) -> config.json. layer_tensors(config, layer) / global_tensors(config): the weights of one decoder layer and of
-  the rest, as hf_layout.Tensor."""
-
-  architectures: tuple[str, ...]
-  settings: Callable[[dict[str, Any], str], dict[str, Any]]
-  config: Callable[..., dict[str, Any]]
-  layer_tensors: Callable[[Any, int], list[Any]]
-  global_tensors: Callable[[Any], list[Any]]
-
-
-def _no_checks(c: Mapping[str, Any]) -> None:
-  del c
-
-
-@dataclasses.dataclass(frozen=True)
-class Stack:
-  """`count` consecutive layers made as layer(..., **options), scanned as one under decoder/<name> (or unrolled as
-  decoder/<name>_<i>)."""
-
-  name: str
-  count: int
-  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def one_stack(config: Any) -> tuple[Stack, ...]:
-  return (Stack("layers", config.base_num_decoder_layers),)
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-  """One decoder family.
-
-  layer: the flax module of one decoder layer, made as layer(config, deterministic, decode, name=...) and called
-  on (x, positions, segment_ids, layer_index) -> (x, MoE routing statistics or None); layer_index is the layer's
-  depth (a traced value under nn.scan) for families whose layers differ by depth (Gemma 3's local and global
-  attention). parameter_count(config dict) -> the exact count. training_flops(config) -> {weights, attention, total,
-  experts}: model FLOPs of one optimizer step (training/flops.py). check(config dict) raises ConfigError for
-  settings the family does not compute. scale_embeddings: the embeddings are multiplied by sqrt(base_emb_dim).
-  norm_scale_offset: the final norm's weight is stored minus this (layers/norms.py; Gemma: 1). stacks(config): the
-  layers as runs of one kind (DeepSeek: its first dense layers, then the MoE ones); one run by default."""
-
-  decoder_blocks: tuple[str, ...]
-  layer: Any
-  parameter_count: Callable[[Mapping[str, Any]], int]
-  training_flops: Callable[[Any], dict[str, float]]
-  hf: HfLayout
-  check: Callable[[Mapping[str, Any]], None] = _no_checks
-  scale_embeddings: bool = False
-  norm_scale_offset: float = 0.0
-  stacks: Callable[[Any], tuple[Stack, ...]] = one_stack
-
-
-_FAMILIES: dict[str, Family] = {}
-_loaded: list[bool] = []  # the package's modules were all imported (one may have been imported on its own first)
-
-
-def register(family: Family) -> Family:
-  for name in family.decoder_blocks:
-    if name in _FAMILIES:
-      raise ValueError(f"decoder_block {name!r} is registered twice")
-    _FAMILIES[name] = family
-  return family
-
-
-def _load_all() -> None:
-  if _loaded:
-    return
-  for module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{module.name}")
-  _loaded.append(True)
-
-
-def decoder_blocks() -> tuple[str, ...]:
-  _load_all()
-  return tuple(sorted(_FAMILIES))
-
-
-def family(decoder_block: str) -> Family:
-  _load_all()
-  try:
-    return _FAMILIES[decoder_block]
-  except KeyError:
-    raise KeyError(f"decoder_block={decoder_block!r}; registered: {', '.join(decoder_blocks())}") from None
-
-
-def family_for_architecture(architecture: str) -> Family | None:
-  """The family that reads a Hugging Face architecture, or None."""
-  _load_all()
-  return next((f for f in _FAMILIES.values() if architecture in f.hf.architectures), None)
-
-
-def architectures() -> tuple[str, ...]:
-  _load_all()
-  return tuple(dict.fromkeys(a for f in _FAMILIES.values() for a in f.hf.architectures))
+__all__ = [
+  "Family",
+  "HfLayout",
+  "Stack",
+  "architectures",
+  "decoder_blocks",
+  "deepseek",
+  "family",
+  "family_for_architecture",
+  "gemma3",
+  "llama",
+  "one_stack",
+  "register",
+]

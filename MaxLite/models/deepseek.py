@@ -18,11 +18,8 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxLite import models
-from MaxLite.checkpoint import hf_layout
-from MaxLite.checkpoint.hf_layout import Tensor
 from MaxLite.cli.errors import ConfigError, InputError
-from MaxLite.config import Config
+from MaxLite.config import Config, families
 from MaxLite.layers.attention import Attention
 from MaxLite.layers.mla import MlaAttention
 from MaxLite.layers.mlp import MlpBlock
@@ -30,6 +27,8 @@ from MaxLite.layers.moe import MoeBlock
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.rope import hf_yarn_attention_factor, yarn_attention_factor, yarn_mscale
+from MaxLite.models import hf_layout
+from MaxLite.models.hf_layout import Tensor
 from MaxLite.models.llama import attention_parameters, moe_mlp_dim
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
@@ -64,10 +63,10 @@ class DeepSeekLayer(nn.Module):
     return nn.with_logical_constraint(x, EMBED_ACTIVATION), aux
 
 
-def stacks(config: Any) -> tuple[models.Stack, ...]:
+def stacks(config: Any) -> tuple[families.Stack, ...]:
   dense = config.first_num_dense_layers
-  moe = models.Stack("moe_layers", config.base_num_decoder_layers - dense, {"moe": True})
-  return ((models.Stack("dense_layers", dense, {"moe": False}),) if dense else ()) + (moe,)
+  moe = families.Stack("moe_layers", config.base_num_decoder_layers - dense, {"moe": True})
+  return ((families.Stack("dense_layers", dense, {"moe": False}),) if dense else ()) + (moe,)
 
 
 def _mla_parameters(c: Mapping[str, Any]) -> int:
@@ -91,7 +90,7 @@ def parameter_count(c: Mapping[str, Any]) -> int:
 
 
 def training_flops(config: Config) -> dict[str, float]:
-  """Model FLOPs as training/flops.py counts them: 2 per multiply-add, x3 for training, causal attention at half."""
+  """Model FLOPs as models/flops.py counts them: 2 per multiply-add, x3 for training, causal attention at half."""
   tokens = config.global_batch_size_to_train_on * config.max_target_length
   emb, heads, seq = config.base_emb_dim, config.base_num_query_heads, config.max_target_length
   if config.attention_type == "mla":
@@ -368,13 +367,13 @@ def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None)
   }
 
 
-models.register(
-  models.Family(
+families.register(
+  families.Family(
     decoder_blocks=("deepseek",),
     layer=DeepSeekLayer,
     parameter_count=parameter_count,
     training_flops=training_flops,
-    hf=models.HfLayout(
+    hf=families.HfLayout(
       architectures=("DeepseekV3ForCausalLM",),
       settings=settings_from_hf,
       config=hf_config,

@@ -14,26 +14,35 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxLite import models
-from MaxLite.checkpoint import hf_layout
-from MaxLite.checkpoint.hf_layout import Tensor
 from MaxLite.cli.errors import ConfigError, InputError
-from MaxLite.config import Config
+from MaxLite.config import Config, families
 from MaxLite.layers.attention import Attention
 from MaxLite.layers.mlp import MlpBlock
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.layers.rope import default_frequencies, rope_frequencies
+from MaxLite.models import flops, hf_layout
+from MaxLite.models.hf_layout import Tensor
 from MaxLite.models.llama import attention_parameters
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
-from MaxLite.training import flops
 
 GLOBAL_EVERY = 6  # layers 5, 11, 17, ... attend globally (transformers' sliding_window_pattern, MaxText's pattern)
 
 
 def is_local(layer_index: Any) -> Any:
   return (layer_index + 1) % GLOBAL_EVERY != 0
+
+
+def layer_rope(cfg: Config, local: Any) -> tuple[jax.Array, Any]:
+  """(frequencies, scale) of a layer: a local one turns by local_rope_max_timescale, unscaled; a global one by the
+  config's RoPE (rope_max_timescale with its scaling). `local` may be traced (one scanned layer for both kinds)."""
+  frequencies, scale = rope_frequencies(cfg)
+  theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
+  frequencies = jnp.where(local, default_frequencies(cfg.head_dim, theta), frequencies)
+  return frequencies, (jnp.where(local, 1.0, scale) if scale != 1.0 else scale)
 
 
 class Gemma3Layer(nn.Module):
@@ -53,8 +62,9 @@ class Gemma3Layer(nn.Module):
     dropout = lambda h: nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic=self.deterministic)
     x = checkpoint_name(nn.with_logical_constraint(x, EMBED_ACTIVATION), "decoder_layer_input")
     h = RMSNorm(name="pre_self_attention_norm", **norm)(x)
+    local = is_local(layer_index)
     h = Attention(cfg, self.decode, qk_norm_offset=1.0, name="self_attention")(
-      h, positions, segment_ids, is_local(layer_index)
+      h, positions, segment_ids, sliding=local, rope=layer_rope(cfg, local)
     )
     if cfg.use_post_attn_norm:
       h = RMSNorm(name="post_self_attention_norm", **norm)(h)
@@ -232,13 +242,13 @@ def hf_config(config: Any, bos_id: int | None = None, eos_id: int | None = None)
   }
 
 
-models.register(
-  models.Family(
+families.register(
+  families.Family(
     decoder_blocks=("gemma3",),
     layer=Gemma3Layer,
     parameter_count=parameter_count,
     training_flops=training_flops,
-    hf=models.HfLayout(
+    hf=families.HfLayout(
       architectures=("Gemma3ForCausalLM",),
       settings=settings_from_hf,
       config=hf_config,

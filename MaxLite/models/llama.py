@@ -1,6 +1,6 @@
 """The Llama-shaped decoder (MaxText's `llama2` block; `mistral` is the same block): pre-norm attention and a SwiGLU
 MLP (or a MoE block), RMSNorm, RoPE. Llama 2/3/3.1, Mistral, Mixtral, Qwen 2.5 and Qwen 3 (dense and MoE) are
-settings of it; their Hugging Face maps are in checkpoint/hf_layout.py."""
+settings of it; their Hugging Face maps are in models/hf_layout.py."""
 
 from __future__ import annotations
 
@@ -11,17 +11,15 @@ import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxLite import models
-from MaxLite.checkpoint import hf_layout
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import Config
+from MaxLite.config import Config, families
 from MaxLite.layers.attention import Attention
 from MaxLite.layers.mlp import MlpBlock
 from MaxLite.layers.moe import MoeBlock
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
+from MaxLite.models import flops, hf_layout
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
-from MaxLite.training import flops
 
 
 class LlamaLayer(nn.Module):
@@ -77,14 +75,14 @@ def check(c: Mapping[str, Any]) -> None:
     raise ConfigError(f"mlp_activations={c['mlp_activations']}: MoE experts are SwiGLU; use ['silu', 'linear']")
 
 
-models.register(
-  models.Family(
+families.register(
+  families.Family(
     decoder_blocks=("llama2", "mistral"),
     layer=LlamaLayer,
     parameter_count=parameter_count,
     training_flops=flops.decoder_flops,
     check=check,
-    hf=models.HfLayout(
+    hf=families.HfLayout(
       architectures=hf_layout.ARCHITECTURES,
       settings=hf_layout.model_settings_from_hf,
       config=hf_layout.hf_config_from_model,

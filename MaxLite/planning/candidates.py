@@ -16,9 +16,9 @@ from typing import Any
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config, choices, validation
+from MaxLite.models import flops
 from MaxLite.parallel.topologies import Target
 from MaxLite.planning.perf_model import MATMUL_EFFICIENCY
-from MaxLite.training import flops
 
 GiB = 2**30
 REMAT_SEARCHED = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "qkv_proj_offloaded", "minimal_offloaded")

@@ -110,8 +110,8 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
 
   from MaxLite.aot.compile_step import device_bytes, lower_train_step, memory_total, out_of_memory, target_devices
   from MaxLite.config import Config, choices, splash_blocks
+  from MaxLite.models import flops
   from MaxLite.planning import hlo_costs, perf_model
-  from MaxLite.training import flops
 
   target = perf_model.planning_target(target_name, hbm_gib)
   c = Config(config)

@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from MaxLite import builder
 from MaxLite.config import Config
+from MaxLite.models import build
 from MaxLite.training import loss
 
 # TRL's names for the implicit-reward metrics (each a sum over pairs in dpo_sums; a mean per pair when logged).
@@ -56,7 +56,7 @@ def reference_log_probs(reference: Any, batch: dict[str, jax.Array], config: Con
   """(chosen, rejected), each [batch, pairs]: the frozen reference's summed log-probabilities of each pair's
   responses, from its own deterministic forward pass (no dropout, no gradient). With LoRA the reference is the frozen
   base with the adapters off: the model without them, so no second copy of the weights exists."""
-  logits = builder.model(config, adapters=False).apply(
+  logits = build.model(config, adapters=False).apply(
     {"params": jax.lax.stop_gradient(reference)},
     batch["inputs"],
     batch["inputs_position"],

@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from MaxLite import builder
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
+from MaxLite.models import build
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.training import ensemble
 from MaxLite.training.dpo import REWARD_METRICS
@@ -75,7 +75,7 @@ class Evaluator:
     jit = ensemble.jit_eval_step if config.ensemble_size > 1 else jit_eval_step
     self._eval_fn = jit(
       config,
-      builder.model(config).apply,
+      build.model(config).apply,
       model_params(state_shardings),
       batch_sharding,
       sharding_lib.replicated(mesh),

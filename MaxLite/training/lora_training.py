@@ -15,6 +15,7 @@ from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.config import Config
 from MaxLite.layers import lora
+from MaxLite.models import build
 from MaxLite.training.train_state import TrainState
 
 
@@ -40,10 +41,8 @@ def base_parameters(config: Config, pieces: Any, target: Any) -> Any:
     return _fresh(config, pieces, "base", pieces.shardings.frozen)
   if not config.lora_weight_qtype:
     return lora_steps.load_params(path, target.frozen, config.ensemble_member)
-  from MaxLite import builder
-
   mesh = jax.tree.leaves(pieces.shardings.params)[0].mesh
-  plain = builder.parameters(config, mesh, adapters=False, stored=False)
+  plain = build.parameters(config, mesh, adapters=False, stored=False)
   full = lora_steps.load_params(
     path, checkpointing.sharded_target(plain.abstract, plain.shardings), config.ensemble_member
   )

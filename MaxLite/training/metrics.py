@@ -16,7 +16,7 @@ from absl import logging
 from MaxLite import storage
 from MaxLite.cli.errors import MaxLiteError
 from MaxLite.config import Config
-from MaxLite.training import flops
+from MaxLite.models import flops
 from MaxLite.training.dpo import REWARD_METRICS
 
 
@@ -142,6 +142,14 @@ class MetricsWriter:
       self._tensorboard.close()
 
 
+def compact(n: float) -> str:
+  """A count in three significant figures at most: 987, 4.1K, 2.5M, 1.3B."""
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.1f}{unit}"
+  return f"{n:.0f}"
+
+
 def log_line(row: dict[str, Any]) -> str:
   parts = [
     f"step {row['step']:>6d}",
@@ -150,8 +158,10 @@ def log_line(row: dict[str, Any]) -> str:
     f"grad_norm {row['grad_norm']:.3f}",
     f"step_time {row['step_time_s']:.3f}s",
     f"tokens/s {row['tokens_per_s']:,.0f}",
-    f"TFLOP/s/device {row['tflops_per_device']:.3f}",
   ]
+  if "trained_tokens" in row:  # this step's, as in metrics.jsonl
+    parts.append(f"trained_tokens {compact(row['trained_tokens'])}")
+  parts.append(f"TFLOP/s/device {row['tflops_per_device']:.3f}")
   if "mfu" in row:
     parts.append(f"MFU {100 * row['mfu']:.1f}%")
   members: list[float] = []
@@ -187,8 +197,8 @@ def metrics_row(
   }
   if config.z_loss_multiplier and "z_loss" in values:
     row["z_loss"] = values["z_loss"]
-  if config.use_sft or config.use_dpo:
-    row["trained_tokens"] = values["tokens"]  # tokens the loss covers (SFT: the completions; DPO: the responses)
+  if "tokens" in values:  # tokens the loss covers: the real ones (SFT: the completions; DPO: the responses)
+    row["trained_tokens"] = values["tokens"]
   row.update({k: values[k] for k in (*REWARD_METRICS, "pairs") if k in values})
   row.update({k: values[k] for k in ("moe_lb_loss", "moe_dropped_fraction") if k in values})
   row.update({k: v for k, v in values.items() if "/member_" in k})  # an ensemble's one series per member

@@ -83,14 +83,10 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation, config: C
 
 
 def create_train_state(
-  model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any, abstract: Any = None
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, shardings: Any
 ) -> TrainState:
-  """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state. An ensemble's
-  (`abstract`: its stacked state) initialises every member from its own seed."""
-  if config.ensemble_size > 1:
-    from MaxLite.training import ensemble
-
-    return ensemble.create_state(model, tx, config, shardings, abstract)
+  """Initialise inside jit with out_shardings, so no device ever holds the whole unsharded state (an ensemble's:
+  ensemble.create_state)."""
   init = jax.jit(functools.partial(init_state, model, tx, config), out_shardings=shardings)
   return unbox(init(jax.random.key(config.init_weights_seed)))
 

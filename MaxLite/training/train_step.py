@@ -11,7 +11,7 @@ import optax
 
 from MaxLite.config import Config
 from MaxLite.layers import lora
-from MaxLite.layers.decoder import logits_dtype
+from MaxLite.models.transformer import logits_dtype
 from MaxLite.parallel.sharding import on_device
 from MaxLite.training import dpo, loss
 from MaxLite.training.optimizer import create_optimizer, learning_rate_schedule
@@ -218,12 +218,14 @@ class _TrainStep:
     return self._jitted.lower(state.params, state.replace(params=None), batch)
 
 
-def jit_train_step(config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any) -> _TrainStep:
-  def split_train_step(params: Any, rest: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    if config.ensemble_size > 1:
-      from MaxLite.training.ensemble import ensemble_train_step  # it maps this module's train_step over members
+def jit_train_step(
+  config: Config, state_shardings: Any, batch_sharding: Any, replicated: Any, members_step: Any = None
+) -> _TrainStep:
+  """members_step: an ensemble's step (training/ensemble.py maps this module's train_step over its members)."""
 
-      return ensemble_train_step(params, rest, batch, config=config)
+  def split_train_step(params: Any, rest: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    if members_step is not None:
+      return members_step(params, rest, batch, config=config)
     return train_step(rest.replace(params=params), batch, config=config, shardings=state_shardings)
 
   return _TrainStep(

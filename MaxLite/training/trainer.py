@@ -16,7 +16,7 @@ import jax
 from absl import logging
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite import builder, storage
+from MaxLite import storage
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli import ticker
@@ -24,7 +24,7 @@ from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
-from MaxLite.training import ensemble, lora_training
+from MaxLite.training import builder, ensemble, lora_training
 from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer, resume_hint
 from MaxLite.training.evaluation import make_evaluator
 from MaxLite.training.metrics import StepLog
@@ -82,7 +82,9 @@ def initial_state(
     params = lora_steps.load_params(config.load_parameters_path, target.params, config.ensemble_member)
     logging.info("loaded parameters from %s (fresh optimizer, step 0)", config.load_parameters_path)
     return state_from_params(model, tx, config, params, shardings), 0
-  return create_train_state(model, tx, config, shardings, pieces.abstract), 0
+  if config.ensemble_size > 1:  # every member from its own seed
+    return ensemble.create_state(model, tx, config, shardings, pieces.abstract), 0
+  return create_train_state(model, tx, config, shardings), 0
 
 
 def _log_memory(config: Config, state: Any) -> None:

@@ -1,10 +1,9 @@
-"""The one place a run's pieces are built from its config and mesh: the model, and for training the optimizer, the
-abstract state, its shardings and the jitted step. Training, AOT compilation, evaluation, DPO's reference pass,
-decoding and the Hugging Face converter all come here, so AOT compiles exactly the step that trains and decoding
-never builds an optimizer.
+"""The configured model and its parameters, built from a config (and a mesh): the one place training, AOT compilation,
+evaluation, DPO's reference pass, decoding and the Hugging Face converter get them, so each applies the same model.
+The training pieces on top (optimizer, abstract state, jitted step) are training/builder.py's.
 
-The model is `layers.decoder.Transformer`, whose layers come from the decoder family registered for
-`config.decoder_block` (models/).
+The model is `models.transformer.Transformer`, whose layers come from the decoder family registered for
+`config.decoder_block`.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from MaxLite.config import Config
-from MaxLite.layers.decoder import Transformer
 from MaxLite.layers.lora import init_scope, with_lora
 from MaxLite.layers.quantization import quantized
+from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import sharding as sharding_lib
 
 
@@ -79,45 +78,3 @@ def random_parameters(config: Config, params: Parameters) -> Any:
   step 0 has."""
   init = jax.jit(functools.partial(_variables, params.model, config), out_shardings=params.shardings)
   return sharding_lib.unbox(init(jax.random.key(config.init_weights_seed)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Training:
-  """Everything a training step needs besides its data. `shardings` place the state between steps (host offload
-  included); `device_shardings` are the same on the device alone. `batch_sharding` places one member's batch (an
-  eval batch); the step's own input is placed as sharding.batch_sharding(loaded=True) says."""
-
-  model: Transformer
-  tx: Any
-  abstract: Any
-  logical: Any
-  device_shardings: Any
-  shardings: Any
-  batch_sharding: Any
-  step: Any
-
-
-def training(config: Config, mesh: Mesh) -> Training:
-  """The run's model, optimizer, abstract train state and the jitted train step (compiled at its first call, or
-  lowered by train_compile.py)."""
-  # Imported here: decoding and conversion build parameters alone and never load the optimizer's modules.
-  from MaxLite.training.optimizer import create_optimizer
-  from MaxLite.training.train_state import abstract_state
-  from MaxLite.training.train_step import jit_train_step
-
-  model_ = model(config, deterministic=config.dropout_rate == 0.0)
-  tx = create_optimizer(config)
-  abstract, logical, device_shardings = abstract_state(model_, tx, config, mesh)
-  if config.ensemble_size > 1:  # every member's arrays stacked on a leading axis (training/ensemble.py)
-    from MaxLite.training import ensemble
-
-    abstract, logical, device_shardings = ensemble.stack(abstract, logical, config, mesh)
-  if config.enable_lora:
-    from MaxLite.layers.lora import check_matches
-
-    check_matches(abstract.params, config)
-  shardings = sharding_lib.with_host_offload(device_shardings, config)
-  batch_sharding = sharding_lib.batch_sharding(mesh, config)
-  loaded = sharding_lib.batch_sharding(mesh, config, loaded=True)
-  step = jit_train_step(config, shardings, loaded, sharding_lib.replicated(mesh))
-  return Training(model_, tx, abstract, logical, device_shardings, shardings, batch_sharding, step)

@@ -1,4 +1,4 @@
-"""The decoder: embedding -> N x the family's layer (models/, by decoder_block) -> RMSNorm -> logits."""
+"""The decoder: embedding -> N x the family's layer (by decoder_block) -> RMSNorm -> logits."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxLite.config import Config
+from MaxLite.config.families import Family, family
 from MaxLite.layers.attention import soft_cap
 from MaxLite.layers.embeddings import Embed
 from MaxLite.layers.linears import DenseGeneral
@@ -92,12 +93,9 @@ class Decoder(nn.Module):
     return x, summarize_routing(aux)
 
 
-def decoder_family(cfg: Config) -> Any:
-  """The registered family of cfg.decoder_block (models/). Looked up when the model is traced: the families are built
-  from these layers, so this module cannot import them when it is imported."""
-  from MaxLite import models
-
-  return models.family(cfg.decoder_block)
+def decoder_family(cfg: Config) -> Family:
+  """The family registered for cfg.decoder_block (models/ registers them all when imported)."""
+  return family(cfg.decoder_block)
 
 
 def summarize_routing(per_layer: Any) -> Any:

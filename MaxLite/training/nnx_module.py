@@ -1,6 +1,6 @@
 """The configured decoder as a Flax NNX module, for users whose training code is NNX (nnx.Optimizer, nnx.jit).
 
-It is the very linen `Transformer` that `builder.model(config)` returns, wrapped by `flax.nnx.bridge.ToNNX`, not an
+It is the very linen `Transformer` that `build.model(config)` returns, wrapped by `flax.nnx.bridge.ToNNX`, not an
 NNX port: one model definition, so every decoder family, layer option, Qwix quantization and initialiser is the one
 MaxLite trains, and nothing can drift between two copies of the layers. The bridge turns each parameter's linen
 `LogicallyPartitioned` box into an `nnx.Param` whose `out_sharding` metadata holds the same logical axis names (the
@@ -25,10 +25,10 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh
 
-from MaxLite import builder
 from MaxLite.checkpoint import hf, lora_steps
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config
+from MaxLite.models import build
 from MaxLite.parallel import sharding as sharding_lib
 
 
@@ -62,12 +62,12 @@ def nnx_model(config: Config, mesh: Mesh | None = None, rngs: nnx.Rngs | None = 
   def create(ids: jax.Array) -> nnx.bridge.ToNNX:
     # Initialised without dropout: the bridge's init takes a key for params alone (an nnx.Rngs stream would hand it
     # fold_in(key, 0), not MaxLite's key), and no parameter depends on dropout.
-    model = nnx.bridge.ToNNX(builder.model(config))
+    model = nnx.bridge.ToNNX(build.model(config))
     # Made unsharded, then placed by MaxLite's logical-to-mesh mapping: flax's eager sharding maps each axis name on
     # its own, so two dimensions of one parameter could claim the same mesh axis.
     with nnx.use_eager_sharding(False):
       model.lazy_init(ids, ids, ids, rngs=jax.random.key(config.init_weights_seed))
-    model.to_nnx__module = builder.model(config, deterministic=config.dropout_rate == 0.0)
+    model.to_nnx__module = build.model(config, deterministic=config.dropout_rate == 0.0)
     if mesh is not None:
       nnx.update(model, jax.lax.with_sharding_constraint(nnx.state(model), shardings(model, mesh, config)))
     return model

@@ -10,14 +10,13 @@ num_experts_per_tok active experts (and the router) count.
 from __future__ import annotations
 
 from MaxLite.config import Config
+from MaxLite.config.families import family
 
 
 def training_flops_per_step(config: Config) -> dict[str, float]:
   """FLOPs of one optimizer step over the whole global batch, split by where they are spent: {weights, attention,
   total, experts}, counted by the config's decoder family."""
-  from MaxLite import models  # the families import this module for decoder_flops
-
-  return models.family(config.decoder_block).training_flops(config)
+  return family(config.decoder_block).training_flops(config)
 
 
 def decoder_flops(config: Config, attended_keys: float | None = None) -> dict[str, float]:

@@ -1,0 +1,401 @@
+"""The model's config keys (shape, positions, precision, memory, experts), grouped by concern.
+
+Each field is one key of configs/base.yml: its type, its default and the one-line description base.yml carries as its
+comment (tests/test_schema.py holds the two equal). `schema.py` composes these groups with the run's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+AttentionKernel = Literal["autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax"]
+Dtype = Literal["float32", "bfloat16"]
+Placement = Literal["remat", "device", "offload"]
+QuantizationType = Literal["", "int8", "fp8", "fp8_full"]
+RematPolicy = Literal[
+  "none",
+  "full",
+  "minimal",
+  "minimal_with_context",
+  "save_dot_with_context_except_mlp",
+  "save_dot_except_mlpwi",
+  "save_dot_except_mlp",
+  "save_qkv_proj",
+  "save_out_proj",
+  "qkv_proj_offloaded",
+  "minimal_offloaded",
+  "save_dot_except_mlp_offloaded",
+  "custom",
+]
+RopeType = Literal["default", "llama3.1", "yarn"]
+
+
+class ModelArchitecture(BaseModel):
+  """The network's shape: family, widths, heads, layers, vocabulary and activations."""
+
+  model_name: str = Field(
+    "default",
+    description='"default" = the values below; else overlays configs/models/<model_name>.yml',
+  )
+  decoder_block: str = Field(
+    "llama2",
+    description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3",
+  )
+  base_emb_dim: int = Field(256, description="model (embedding) width")
+  base_num_query_heads: int = Field(4, description="attention query heads")
+  base_num_kv_heads: int = Field(4, description="key/value heads (< query heads = GQA, 1 = MQA)")
+  head_dim: int = Field(64, description="width of one attention head")
+  base_mlp_dim: int = Field(1024, description="SwiGLU hidden width")
+  base_num_decoder_layers: int = Field(4, description="transformer blocks")
+  vocab_size: int = Field(8192, description="embedding rows; must be >= the tokenizer's vocabulary")
+  mlp_activations: list[str] = Field(
+    ["silu", "linear"],
+    description="gated MLP act(x W_gate) * (x W_up): silu,linear (SwiGLU) | gelu,linear (GeGLU)",
+  )
+  normalization_layer_epsilon: float = Field(1e-05, description="RMSNorm epsilon")
+  attention_bias: bool = Field(False, description="learned biases on the query, key and value projections (Qwen2.5)")
+  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head's features before RoPE (Qwen3)")
+  use_iota_embed: bool = Field(
+    False,
+    description="the token lookup as a one-hot matmul (its gradient a matmul, not a scatter-add)",
+  )
+  logits_via_embedding: bool = Field(
+    False,
+    description="true = tied embeddings (output head reuses the token embedding)",
+  )
+  fused_qkv: bool = Field(
+    False,
+    description="one [embed, 3, heads, head_dim] q/k/v kernel (query heads must equal kv heads)",
+  )
+  fused_mlp: bool = Field(False, description="one [embed, 2, mlp] gate+up kernel (dense MLP only)")
+  dropout_rate: float = Field(0.0, description="dropout on attention output and MLP output (0 = off)")
+  dense_init_scale: float = Field(1.0, description="multiplier on the default (fan-in scaled) weight initialisation")
+
+
+class Rope(BaseModel):
+  """Rotary position embeddings: theta and the long-context scalings (llama3.1, yarn)."""
+
+  rope_max_timescale: float = Field(10000.0, description="RoPE theta (Llama 2: 10000, Llama 3: 500000)")
+  rope_type: RopeType = Field(
+    "default",
+    description="default | llama3.1 (Llama 3.1+ frequency scaling) | yarn (YaRN); see layers/rope.py",
+  )
+  rope_factor: float = Field(
+    8.0,
+    description="llama3.1 / yarn: how much longer the context is than original_max_position_embeddings",
+  )
+  rope_low_freq_factor: float = Field(
+    1.0,
+    description="llama3.1: wavelengths over original / this are divided by rope_factor",
+  )
+  rope_high_freq_factor: float = Field(
+    4.0,
+    description="llama3.1: wavelengths under original / this are kept; those between are blended",
+  )
+  original_max_position_embeddings: int = Field(
+    8192,
+    description=(
+      "llama3.1 / yarn: the context length the model was first trained at (rope_factor 8 / 8192 are "
+      "Llama 3.1's; MaxText's yarn defaults are 40 / 4096)"
+    ),
+  )
+  max_position_embeddings: int = Field(
+    -1,
+    description="the context length a Hugging Face export declares; -1 = from the RoPE settings",
+  )
+  beta_fast: float = Field(
+    32.0,
+    description="yarn: pairs turning more often than this over the original context keep their frequency",
+  )
+  beta_slow: float = Field(1.0, description="yarn: pairs turning less often than this are interpolated by rope_factor")
+  rope_truncate: bool = Field(True, description="yarn: round the ramp's ends to whole pairs (transformers' default)")
+  rope_attention_factor: float = Field(
+    -1.0,
+    description=(
+      "yarn: cos/sin times this (HF attention_factor); -1 = as transformers derives it: 1 for mla with "
+      "mscale != 0 (mscale = mscale_all_dim), else 0.1 ln(rope_factor) + 1"
+    ),
+  )
+
+
+class Gemma(BaseModel):
+  """Gemma (decoder_block=gemma3; MaxText's keys and defaults; 0 / -1 / false = off)."""
+
+  sliding_window_size: int = Field(
+    0,
+    description="gemma3: local layers attend to the latest N tokens (every 6th layer is global)",
+  )
+  local_rope_max_timescale: int = Field(
+    -1,
+    description="gemma3: RoPE theta of the local layers; -1 = rope_max_timescale",
+  )
+  rope_linear_scaling_factor: float = Field(
+    1.0,
+    description="gemma3: the global layers' RoPE positions divided by this (HF rope_type linear)",
+  )
+  query_pre_attn_scalar: int = Field(0, description="q is scaled by this ** -0.5; 0 = head_dim (Gemma 3 27B: 168)")
+  use_post_attn_norm: bool = Field(
+    False,
+    description="gemma3: RMSNorm on the attention block's output before the residual add",
+  )
+  use_post_ffw_norm: bool = Field(
+    False,
+    description="gemma3: RMSNorm on the MLP block's output before the residual add",
+  )
+  attn_logits_soft_cap: float = Field(
+    0.0,
+    description="cap * tanh(scores / cap) on the attention scores (Gemma 2); 0 = off",
+  )
+  final_logits_soft_cap: float = Field(0.0, description="the same on the output logits; 0 = off")
+
+
+class DataTypes(BaseModel):
+  """Precision of activations, parameters and logits."""
+
+  dtype: Dtype = Field("float32", description="activation / compute dtype: float32 or bfloat16")
+  weight_dtype: Dtype = Field("float32", description="parameter (and optimizer state) dtype")
+  logits_dot_in_fp32: bool = Field(
+    True,
+    description=(
+      "true = float32 logits from the head's matmul (bfloat16 inputs accumulated in float32); false = "
+      "logits in `dtype`, cast to float32 by the loss (MaxText's default; memory either way depending "
+      "on the config: train_compile.py says)"
+    ),
+  )
+
+
+class Quantization(BaseModel):
+  """Quantized training through Qwix (layers/quantization.py): the projections' matmuls in int8 or fp8 forward and
+  backward, everything stored in full precision.
+  """
+
+  quantization: QuantizationType = Field(
+    "",
+    description='"" (off) | int8 | fp8 (e4m3 both ways) | fp8_full (e4m3 forward, e5m2 gradients)',
+  )
+  use_qwix_quantization: bool = Field(
+    False,
+    description="must be true with a quantization (MaxText's false means AQT, which MaxLite has not)",
+  )
+  weight_quantization_calibration_method: str = Field(
+    "absmax",
+    description="absmax[,scale] | minmax[,scale] | rms,scale | fixed,[min,]max",
+  )
+  act_quantization_calibration_method: str = Field("absmax", description="the same for the activations")
+  bwd_quantization_calibration_method: str = Field(
+    "absmax",
+    description="the same for the gradients of the backward pass",
+  )
+
+
+class Remat(BaseModel):
+  """What each layer keeps for the backward pass; with remat_policy=custom each tagged activation is remat
+  (recomputed), device (kept in HBM) or offload (host memory).
+  """
+
+  remat_policy: RematPolicy = Field(
+    "full",
+    description=(
+      "what each layer keeps for the backward pass (MaxText's names, layers/remat.py): none | full "
+      "(only the layer input) | minimal (every projection) | minimal_with_context | "
+      "save_dot_with_context_except_mlp | save_dot_except_mlp | save_dot_except_mlpwi | save_qkv_proj | "
+      "save_out_proj | custom (the per-activation keys below); in pinned host memory instead of HBM: "
+      "minimal_offloaded | qkv_proj_offloaded | save_dot_except_mlp_offloaded"
+    ),
+  )
+  decoder_layer_input: Placement = Field(
+    "device",
+    description="the layer's input (always kept: offload moves it to the host)",
+  )
+  query_proj: Placement = Field("remat", description="q as attention reads it (after q/k norm and RoPE)")
+  key_proj: Placement = Field("remat", description="k as attention reads it (after q/k norm and RoPE)")
+  value_proj: Placement = Field("remat", description="v as attention reads it")
+  qkv_proj: Placement = Field("remat", description="the fused q/k/v projection (fused_qkv)")
+  context: Placement = Field("remat", description="attention's output before the output projection")
+  out_proj: Placement = Field("remat", description="the attention block's result")
+  mlpwi_0: Placement = Field("remat", description="the MLP gate projection")
+  mlpwi_1: Placement = Field("remat", description="the MLP up projection")
+  mlpwi: Placement = Field("remat", description="the fused gate+up projection (fused_mlp)")
+  mlpwo: Placement = Field("remat", description="the MLP / MoE block's result")
+  moe_mlpwi_0: Placement = Field("remat", description="the per-expert gate projection (MoE)")
+  moe_mlpwi_1: Placement = Field("remat", description="the per-expert up projection (MoE)")
+  moe_mlpwo: Placement = Field("remat", description="the per-expert down projection (MoE)")
+
+
+class SplashAttention(BaseModel):
+  """The attention kernel and the splash kernel's block sizes (tokens): each is capped at the sequence it tiles and
+  must then be a multiple of 128 dividing it.
+  """
+
+  attention: AttentionKernel = Field(
+    "autoselected",
+    description=(
+      "autoselected (splash on TPU, cudnn on GPU, dot_product on CPU) | dot_product | splash | cudnn "
+      '(MaxText\'s "flash" = splash, "cudnn_flash_jax" = cudnn); splash off TPU runs interpreted'
+    ),
+  )
+  sa_block_q: int = Field(
+    512,
+    description="query block of the forward pass (q blocks tile the query length per sequence shard)",
+  )
+  sa_block_kv: int = Field(512, description="key/value block of the forward pass")
+  sa_block_kv_compute: int = Field(
+    512,
+    description="kv sub-block per inner step of the forward pass (divides sa_block_kv)",
+  )
+  sa_block_q_dkv: int = Field(512, description="backward dk/dv kernel: query block")
+  sa_block_kv_dkv: int = Field(512, description="backward dk/dv kernel: key/value block")
+  sa_block_kv_dkv_compute: int = Field(512, description="backward dk/dv kernel: kv sub-block per inner step")
+  sa_block_q_dq: int = Field(512, description="backward dq kernel: query block (unused with the fused backward kernel)")
+  sa_block_kv_dq: int = Field(
+    512,
+    description="backward dq kernel: key/value block (unused with the fused backward kernel)",
+  )
+  sa_use_fused_bwd_kernel: bool = Field(False, description="one backward kernel for dq, dk and dv instead of two")
+
+
+class MemoryLayout(BaseModel):
+  """Trading memory for time: layer scanning, buffer donation, chunked logits and MLPs, host offload."""
+
+  scan_layers: bool = Field(True, description="stack layers with nn.scan (fast compile); false = unrolled python loop")
+  donate_params: bool = Field(
+    True,
+    description=(
+      "true = the step overwrites the parameters in place (as MaxText does); false = a fresh buffer for "
+      "the new ones (the old ones stay readable after the step)"
+    ),
+  )
+  num_vocab_tiling: int = Field(
+    1,
+    description=(
+      "> 1: the loss computes logits in this many chunks of tokens, so the whole [tokens, vocab] "
+      "float32 logits never exist at once (same loss and gradients)"
+    ),
+  )
+  num_vocab_slices: int = Field(
+    -1,
+    description=(
+      "> 1: the output head and the loss work on 1/N of the vocabulary at a time, forward and backward "
+      "(same loss and gradients); -1 = the fewest slices (a power of 2) whose logits are at most 256 "
+      "MiB per device; 1 = whole logits"
+    ),
+  )
+  num_mlp_chunks: int = Field(
+    1,
+    description=(
+      "> 1: each layer's RMSNorm + MLP runs on 1/N of the tokens at a time, each part rematerialised "
+      "alone: its backward pass holds one part's activations (same loss and gradients; weights gathered "
+      "and gradients reduced once per layer, as with 1)"
+    ),
+  )
+  parameter_memory_host_offload: bool = Field(
+    False,
+    description="keep parameters in host memory between steps (moved to the device per step)",
+  )
+  optimizer_memory_host_offload: bool = Field(
+    False,
+    description="keep optimizer state in host memory between steps (moved per step)",
+  )
+
+
+class MoEGeneral(BaseModel):
+  """Sparse mixture of experts: routing, capacity and the grouped-matmul kernels."""
+
+  num_experts: int = Field(1, description="> 1 = Mixtral-style sparse MoE MLP in every layer (1 = dense SwiGLU)")
+  num_experts_per_tok: int = Field(2, description="top-k experts per token (MoE)")
+  base_moe_mlp_dim: int = Field(-1, description="hidden width of each expert's SwiGLU; -1 = base_mlp_dim")
+  norm_topk_prob: bool = Field(
+    True,
+    description=(
+      "renormalise the chosen top-k router probabilities to sum to 1 (Mixtral, Qwen3-MoE); MaxText "
+      "defaults to false but renormalises Mixtral anyway"
+    ),
+  )
+  float32_gate_logits: bool = Field(
+    True,
+    description="router logits computed in float32 (a bfloat16 tie would route by index); MaxText: false",
+  )
+  capacity_factor: float = Field(
+    -1.0,
+    description=(
+      "<= 0 = never drop a token; else rows per expert = ceil(tokens * top_k * this / num_experts), "
+      "tokens of one batch shard (sparse_matmul) or of one sequence (dispatch)"
+    ),
+  )
+  sparse_matmul: bool = Field(
+    True,
+    description=(
+      "MoE: sort tokens by expert and run grouped matmuls; false = one-hot dispatch over [tokens, "
+      "experts, slots] (GShard), memory and FLOPs growing with the expert count"
+    ),
+  )
+  megablox: bool = Field(
+    True,
+    description=(
+      "sparse_matmul's grouped matmuls: jax's Pallas TPU kernel (megablox gmm), interpreted on CPU; "
+      "false = jax.lax.ragged_dot (needed on GPU)"
+    ),
+  )
+  ragged_buffer_factor: float = Field(
+    -1.0,
+    description=(
+      "sparse_matmul with expert parallelism: rows sent to each expert shard, x its even share; <= 0 = "
+      "room for every row (never drops)"
+    ),
+  )
+  load_balance_loss_weight: float = Field(
+    0.01,
+    description=(
+      "weight of the MoE load-balancing loss added to the training loss: MaxText's (num_experts^2 * "
+      "mean(density * router prob) per sequence, top_k when balanced; mean over layers), so the same "
+      "weight as in MaxText"
+    ),
+  )
+
+
+class DeepSeekMoE(BaseModel):
+  """DeepSeek's MoE (decoder_block=deepseek; MaxText's keys and defaults)."""
+
+  first_num_dense_layers: int = Field(
+    0,
+    description="the first N layers have a dense MLP (base_mlp_dim wide), the rest MoE",
+  )
+  shared_experts: int = Field(
+    0,
+    description="MoE: an always-on MLP of shared_experts * moe width beside the routed experts",
+  )
+  routed_score_func: str = Field("", description='router scores: "" = softmax | sigmoid (DeepSeek-V3)')
+  routed_bias: bool = Field(
+    False,
+    description="a per-expert bias added to the scores for choosing experts only (auxiliary-loss-free)",
+  )
+  routed_bias_update_rate: float = Field(
+    0.0,
+    description="each step the bias moves by this towards balance (+ for under-, - for over-loaded)",
+  )
+  routed_scaling_factor: float = Field(1.0, description="the chosen experts' weights are multiplied by this")
+  n_routing_groups: int = Field(
+    -1,
+    description="experts in groups; a token chooses within its topk_routing_group best groups; -1 = no groups",
+  )
+  topk_routing_group: int = Field(-1, description="groups ranked by the sum of their two best (biased) scores")
+
+
+class MlaAttention(BaseModel):
+  """Multi-head latent attention (attention_type=mla, DeepSeek)."""
+
+  attention_type: str = Field("global", description="global | mla (multi-head latent attention, DeepSeek)")
+  q_lora_rank: int = Field(0, description="mla: queries through a rank-q_lora_rank bottleneck; 0 = a full projection")
+  kv_lora_rank: int = Field(512, description="mla: keys and values from a rank-kv_lora_rank latent")
+  qk_nope_head_dim: int = Field(128, description="mla: per-head query/key features without RoPE")
+  qk_rope_head_dim: int = Field(
+    64,
+    description="mla: per-head query features with RoPE (one RoPE key shared by all heads)",
+  )
+  v_head_dim: int = Field(128, description="mla: per-head value features")
+  mscale: float = Field(
+    1.0,
+    description="mla, yarn: softmax scale x (0.1 mscale ln(rope_factor) + 1)^2 (HF mscale_all_dim)",
+  )

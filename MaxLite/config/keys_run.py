@@ -1,0 +1,427 @@
+"""The run's config keys (training, data, post-training, mesh, checkpoints, tools), grouped by concern.
+
+Each field is one key of configs/base.yml: its type, its default and the one-line description base.yml carries as its
+comment (tests/test_schema.py holds the two equal). `schema.py` composes these groups with the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+DatasetType = Literal["synthetic", "grain"]
+DecodeSamplingStrategy = Literal["greedy", "weighted", "topk", "nucleus"]
+FileType = Literal["arrayrecord", "parquet", "jsonl"]
+LoraWeightQtype = Literal["", "nf4", "int8", "int4"]
+Profiler = Literal["", "xplane"]
+TokenizerType = Literal["sentencepiece", "huggingface", "tiktoken"]
+
+LOGICAL_AXIS_RULES = [
+  ["ensemble", ["ensemble"]],
+  ["activation_batch", ["data", "fsdp", "expert"]],
+  ["activation_batch_no_exp", ["data", "fsdp"]],
+  ["activation_exp", ["expert"]],
+  ["activation_stage", ["stage"]],
+  ["activation_length", ["sequence"]],
+  ["activation_embed", ["tensor"]],
+  ["activation_heads", ["tensor"]],
+  ["activation_kv_heads", ["tensor"]],
+  ["activation_kv", []],
+  ["activation_mlp", ["tensor"]],
+  ["activation_vocab", ["tensor"]],
+  ["vocab", ["tensor"]],
+  ["embed", ["fsdp", "sequence"]],
+  ["q_lora", ["fsdp", "sequence"]],
+  ["kv_lora", ["fsdp", "sequence"]],
+  ["q_heads", ["tensor"]],
+  ["kv_heads", ["tensor"]],
+  ["heads", ["tensor"]],
+  ["kv", []],
+  ["qkv", []],
+  ["num_activations", []],
+  ["mlp", ["tensor"]],
+  ["exp", ["expert"]],
+  ["norm", []],
+  ["layers", ["stage"]],
+]
+
+
+class RunInfo(BaseModel):
+  """The run: its name, output directory, length and seeds."""
+
+  run_name: str = Field("", description='run directory name under base_output_directory; "" = maxlite_<timestamp>')
+  base_output_directory: str = Field(
+    "outputs",
+    description="parent of <run_name>/ (checkpoints/, tensorboard/, metrics.jsonl)",
+  )
+  steps: int = Field(200, description="number of optimizer steps to train")
+  log_period: int = Field(1, description="write a metrics row every N steps (loss is always checked for NaN)")
+  seed: int = Field(0, description="seed for per-step RNG (dropout), fold_in(seed, step)")
+  init_weights_seed: int = Field(0, description="seed for parameter initialisation")
+
+
+class Optimizer(BaseModel):
+  """Batch, sequence length, learning-rate schedule, AdamW and the loss's extra terms."""
+
+  per_device_batch_size: float = Field(
+    4.0,
+    description="sequences per device per step (may be fractional: the global batch must be whole)",
+  )
+  max_target_length: int = Field(256, description="sequence length in tokens")
+  gradient_accumulation_steps: int = Field(
+    1,
+    description="microbatches per optimizer step; the step sees the same global batch",
+  )
+  learning_rate: float = Field(0.003, description="peak learning rate")
+  warmup_steps_fraction: float = Field(
+    0.1,
+    description="fraction of learning_rate_schedule_steps spent in linear warmup",
+  )
+  learning_rate_final_fraction: float = Field(
+    0.1,
+    description="final lr = learning_rate * this, reached at learning_rate_schedule_steps",
+  )
+  learning_rate_schedule_steps: int = Field(-1, description="length of warmup+cosine schedule; -1 = steps")
+  adam_b1: float = Field(0.9, description="AdamW beta1")
+  adam_b2: float = Field(0.95, description="AdamW beta2")
+  adam_eps: float = Field(1e-08, description="AdamW epsilon")
+  adam_weight_decay: float = Field(0.1, description="AdamW decoupled weight decay (not applied to norm scales)")
+  gradient_clipping_threshold: float = Field(1.0, description="global-norm clipping; 0 disables (negative is refused)")
+  z_loss_multiplier: float = Field(
+    0.0,
+    description="weight of the z-loss (log Z)^2 term that keeps logits from drifting",
+  )
+
+
+class Ensemble(BaseModel):
+  """Several members of one model trained in one program (seed or learning-rate sweeps)."""
+
+  ensemble_size: int = Field(
+    1,
+    description="members of this model trained in one program (seed or learning-rate sweeps)",
+  )
+  ensemble_learning_rates: list[float] = Field(
+    [],
+    description="one peak learning rate per member (then all members share the seeds)",
+  )
+  ensemble_data: str = Field("same", description="same: every member sees the same batches | distinct: each its own")
+  ensemble_member: int = Field(-1, description="decode.py / to_hf: which member of an ensemble checkpoint to use")
+
+
+class Dataset(BaseModel):
+  """Training and eval data: files, format, tokenizer, packing and eval cadence."""
+
+  dataset_type: DatasetType = Field(
+    "grain",
+    description="grain (ArrayRecord, Parquet or JSONL files) | synthetic (generated, learnable sequences)",
+  )
+  grain_train_files: str = Field(
+    "assets/corpus/train-*.array_record",
+    description="glob(s), comma-separated; relative = cwd, else repo root",
+  )
+  grain_eval_files: str = Field(
+    "assets/corpus/eval-*.array_record",
+    description='glob(s) of eval files; "" = no eval',
+  )
+  grain_file_type: FileType = Field(
+    "arrayrecord",
+    description="arrayrecord | parquet | jsonl: the format of grain_train_files and grain_eval_files",
+  )
+  grain_text_column: str = Field(
+    "text",
+    description="the string column of Parquet rows / field of JSONL objects holding each document",
+  )
+  grain_worker_count: int = Field(
+    0,
+    description="threads filling the batch rows; 0 = in the training loop's thread (rows never change)",
+  )
+  tokenizer_path: str = Field(
+    "assets/tokenizer/maxlite_sp8k.model",
+    description=(
+      "tokenizer file (huggingface: tokenizer.json or its directory); shipped: a sentencepiece model of "
+      "8192 pieces trained on the corpus"
+    ),
+  )
+  tokenizer_type: TokenizerType = Field(
+    "sentencepiece",
+    description=(
+      "sentencepiece (.model) | huggingface (tokenizer.json: Llama 3.x, Qwen) | tiktoken (Meta's Llama "
+      "3 original/tokenizer.model)"
+    ),
+  )
+  add_bos: bool = Field(
+    True,
+    description=("prepend BOS to each document (skipped when the tokenizer has none, e.g. Qwen; warned only if set)"),
+  )
+  add_eos: bool = Field(True, description="append EOS to each document (likewise skipped without one)")
+  max_segments_per_seq: int = Field(
+    -1,
+    description=(
+      "most documents (segments) packed into one row; -1 = no cap (cudnn attention: 32, the fixed count "
+      "its packed layout is built for)"
+    ),
+  )
+  data_shuffle_seed: int = Field(0, description="seed for the deterministic record shuffle")
+  eval_interval: int = Field(100, description="run eval after every N-th step; -1 = never")
+  eval_steps: int = Field(10, description="batches per eval")
+
+
+class PostTraining(BaseModel):
+  """Supervised fine-tuning and DPO (MaxText's keys)."""
+
+  use_sft: bool = Field(
+    False,
+    description="supervised fine-tuning on chats or prompt/completion records (train_data_columns)",
+  )
+  sft_train_on_completion_only: bool = Field(
+    False,
+    description="SFT: the loss covers only the assistant's tokens (the prompt is still attended to)",
+  )
+  use_dpo: bool = Field(
+    False,
+    description="DPO on preference pairs; the reference model is load_parameters_path, kept frozen",
+  )
+  dpo_beta: float = Field(0.1, description="DPO: how strongly the policy is held to the reference")
+  dpo_label_smoothing: float = Field(
+    0.0,
+    description="DPO: the chance a pair's label is wrong (conservative DPO), in [0, 0.5)",
+  )
+  train_data_columns: list[str] = Field(
+    [],
+    description=(
+      "record fields. SFT: ['messages'] (default) or ['prompt', 'completion']; DPO: ['prompt', "
+      "'chosen', 'rejected'] (default) or ['chosen', 'rejected']; pretraining: [text column]"
+    ),
+  )
+  eval_data_columns: list[str] = Field([], description="the same for grain_eval_files; [] = train_data_columns")
+  use_chat_template: bool = Field(
+    False,
+    description="render records with the tokenizer's chat template (tokenizer_type=huggingface)",
+  )
+  chat_template_path: str = Field(
+    "",
+    description='a .jinja file or a tokenizer_config-style .json with "chat_template"; "" = the tokenizer\'s',
+  )
+
+
+class Lora(BaseModel):
+  """LoRA / QLoRA (MaxText's keys, layers/lora.py): low-rank adapters on the projections, the base frozen."""
+
+  enable_lora: bool = Field(False, description="train (or decode with) LoRA adapters instead of the full weights")
+  lora_rank: int = Field(16, description="r: adapters A [in, r] and B [r, out] (B starts at zero)")
+  lora_alpha: float = Field(32.0, description="the adapters' output is scaled by lora_alpha / lora_rank, as PEFT does")
+  lora_module_path: str = Field(
+    "",
+    description='regex over module paths; "" = every attention and MLP projection of every layer',
+  )
+  lora_weight_qtype: LoraWeightQtype = Field(
+    "",
+    description='QLoRA: the frozen base stored by Qwix as nf4 | int8 | int4; "" = weight_dtype',
+  )
+  lora_tile_size: int = Field(0, description="QLoRA: subchannel tile of the base's contraction axis (0 = per channel)")
+  lora_restore_path: str = Field(
+    "",
+    description="adapters to start from: a MaxLite LoRA checkpoint step dir (ignored on resume)",
+  )
+  hf_lora_adapter_path: str = Field(
+    "",
+    description="adapters to start from: a PEFT adapter folder (adapter_config.json + safetensors)",
+  )
+
+
+class Mesh(BaseModel):
+  """The device mesh and sharding; each ici_* (within a slice) and dcn_* (across slices) set may hold one -1 = "the
+  rest".
+  """
+
+  ici_ensemble_parallelism: int = Field(
+    1,
+    description="ensemble members split across devices (ensemble_size must divide over it)",
+  )
+  ici_data_parallelism: int = Field(1, description="pure data parallelism (params replicated)")
+  ici_pipeline_parallelism: int = Field(
+    1,
+    description='pipeline stages (mesh axis "stage"); layers are split evenly over stages',
+  )
+  ici_fsdp_parallelism: int = Field(
+    -1,
+    description="fully sharded data parallelism (params + optimizer sharded, ZeRO-3)",
+  )
+  ici_sequence_parallelism: int = Field(1, description="activations split along the sequence")
+  ici_tensor_parallelism: int = Field(1, description="Megatron-style tensor parallelism")
+  ici_expert_parallelism: int = Field(1, description="experts split across devices (MoE)")
+  dcn_ensemble_parallelism: int = Field(1, description="ensemble members split across slices")
+  dcn_data_parallelism: int = Field(-1, description="data parallelism across slices")
+  dcn_pipeline_parallelism: int = Field(1, description="pipeline stages across slices")
+  dcn_fsdp_parallelism: int = Field(1, description="fsdp across slices")
+  dcn_sequence_parallelism: int = Field(1, description="sequence parallelism across slices")
+  dcn_tensor_parallelism: int = Field(1, description="tensor parallelism across slices")
+  dcn_expert_parallelism: int = Field(1, description="expert parallelism across slices")
+  num_pipeline_microbatches: int = Field(
+    -1,
+    description="pipeline microbatches per step (GPipe); -1 = number of stages",
+  )
+  num_slices: int = Field(-1, description="number of slices; -1 = from the devices (slice_index) or the dcn product")
+  debug_sharding: bool = Field(
+    False,
+    description="print every parameter's logical axes -> mesh axes -> per-device shape at start",
+  )
+  logical_axis_rules: list[Any] = Field(
+    LOGICAL_AXIS_RULES,
+    description="[logical axis, mesh axis or list of mesh axes] pairs; the first usable rule wins",
+  )
+
+
+class Metrics(BaseModel):
+  """Metrics, tensorboard and profiling."""
+
+  enable_tensorboard: bool = Field(
+    True,
+    description="write tensorboard scalars under <run>/tensorboard (process 0 only)",
+  )
+  peak_tflops_per_device: float = Field(
+    -1.0,
+    description=(
+      "device peak for MFU; -1 = the chip's published bf16 peak where known (TPUs by "
+      "TPU_ACCELERATOR_TYPE; H100, H200, A100, B200), else MFU is not reported"
+    ),
+  )
+  profiler: Profiler = Field("", description='"" | xplane: jax.profiler trace of chosen steps into <run>/tensorboard')
+  skip_first_n_steps_for_profiler: int = Field(3, description="first step to trace")
+  profiler_steps: int = Field(2, description="number of steps to trace")
+
+
+class Checkpointing(BaseModel):
+  """Saving, resuming and starting from checkpoints."""
+
+  enable_checkpointing: bool = Field(
+    True,
+    description=(
+      "save orbax checkpoints (state + data iterator) under <run>/checkpoints; resume from the latest (MaxText default)"
+    ),
+  )
+  async_checkpointing: bool = Field(True, description="save in the background while training continues")
+  checkpoint_period: int = Field(100, description="save after every N-th step (and after the last step)")
+  max_num_checkpoints_to_keep: int = Field(3, description="retention; -1 = keep all")
+  enable_emergency_checkpoint: bool = Field(
+    False,
+    description=(
+      "MaxText's: frequent saves to each host's local disk, rare ones (checkpoint_period) to "
+      "base_output_directory; needs >= 2 data-parallel replicas (data axis)"
+    ),
+  )
+  local_checkpoint_directory: str = Field(
+    "",
+    description="emergency checkpoints: a directory on each host's own disk (or RAM disk)",
+  )
+  local_checkpoint_period: int = Field(
+    0,
+    description="emergency checkpoints: save to local_checkpoint_directory every N steps",
+  )
+  load_parameters_path: str = Field(
+    "",
+    description="start from these params (a step dir; a checkpoints dir = its newest): fresh optimizer, step 0",
+  )
+  load_full_state_path: str = Field(
+    "",
+    description="start from another run's whole train state (step dir, or newest); data starts over",
+  )
+
+
+class Compilation(BaseModel):
+  """Ahead-of-time compilation (train_compile.py) and the compilation cache."""
+
+  compile_topology: str = Field(
+    "",
+    description="train_compile.py target: v4-N, v5p-N, v5e-N, v6e-N (Cloud TPU names) or cpu-N",
+  )
+  compile_topology_num_slices: int = Field(
+    -1,
+    description="train_compile.py: number of slices of compile_topology (-1 = 1)",
+  )
+  compiled_trainstep_file: str = Field(
+    "",
+    description='train_compile.py: also save the serialized compiled step here ("" = don\'t)',
+  )
+  jax_cache_dir: str = Field(
+    "~/jax_cache",
+    description='persistent XLA compilation cache (re-launches skip compiling); "" = off',
+  )
+
+
+class Planning(BaseModel):
+  """plan.py: the search for the fastest sharding and memory plan."""
+
+  plan_time_budget_s: float = Field(
+    600.0,
+    description="plan.py: stop compiling candidate plans after this many seconds",
+  )
+  plan_workers: int = Field(
+    2,
+    description="plan.py: compiles in parallel (each worker holds one compile's host memory)",
+  )
+  plan_top_n: int = Field(8, description="plan.py: rows of the ranked table")
+  plan_global_batch_size: int = Field(
+    -1,
+    description="plan.py: sequences per optimizer step to keep fixed (-1 = free per-device batch)",
+  )
+  plan_cache_dir: str = Field("", description='plan.py: compiled-plan results; "" = ~/.cache/maxlite/plans')
+  plan_quantizations: list[str] = Field(
+    [],
+    description=(
+      'plan.py: quantizations to search as a dimension, e.g. ["", int8] for bf16 and int8 side by side; '
+      "[] = the config's quantization only"
+    ),
+  )
+  plan_hbm_gib: float = Field(
+    -1.0,
+    description="plan.py: device memory to plan within (e.g. headroom below the chip's); -1 = the chip's",
+  )
+
+
+class Decoding(BaseModel):
+  """decode.py: prompts, lengths and sampling."""
+
+  prompt: str = Field(
+    "The Python tutorial",
+    description='text to continue; several prompts separated by " ||| " decode as one batch',
+  )
+  max_prefill_predict_length: int = Field(
+    64,
+    description="prompt tokens per row, >= 1 (a longer prompt keeps BOS + its last tokens, warned)",
+  )
+  max_decode_steps: int = Field(
+    32,
+    description="new tokens per row, >= 1; prefill + decode must fit in max_target_length",
+  )
+  decode_sampling_strategy: DecodeSamplingStrategy = Field(
+    "greedy",
+    description="greedy | weighted (temperature sampling) | topk | nucleus (MaxText's names)",
+  )
+  decode_sampling_temperature: float = Field(
+    1.0,
+    description="softmax temperature, > 0 for the sampling strategies (greedy ignores it)",
+  )
+  decode_sampling_top_k: int = Field(40, description="top_k: sample among the k most likely tokens, >= 1")
+  decode_sampling_nucleus_p: float = Field(
+    0.9,
+    description="nucleus: sample among the most likely tokens whose probabilities sum to p, in (0, 1]",
+  )
+  decode_seed: int = Field(0, description="sampling seed, in [0, 2**32)")
+
+
+class Distributed(BaseModel):
+  """Joining a multi-process job (jax.distributed)."""
+
+  skip_jax_distributed_system: bool = Field(
+    False,
+    description=(
+      "false = join jax.distributed when the environment has several hosts (TPU VM, SLURM with >1 task, "
+      "coordinator_address / JAX_COORDINATOR_ADDRESS); true = never"
+    ),
+  )
+  coordinator_address: str = Field("", description='host:port of process 0 ("" = auto-detect on TPU/SLURM/GKE)')
+  num_processes: int = Field(-1, description="total processes (-1 = auto-detect)")
+  process_id: int = Field(-1, description="this process's index (-1 = auto-detect)")
+  jax_distributed_initialization_timeout: int = Field(300, description="seconds to wait for all processes to join")
