@@ -324,3 +324,14 @@ def test_deepseek_logged_balance_loss_is_the_normalised_one():
   )
   sums = _sums(unrolled, params, batch)
   np.testing.assert_allclose(sums["moe_lb_sum"] / sums["count"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-gemma3"])
+def test_shared_experts_are_refused_by_a_family_that_builds_none(model):
+  """Only DeepSeek's layer builds shared experts: elsewhere the key was ignored while LoRA's module list (config
+  validation) still named them."""
+  from MaxLite.cli.errors import ConfigError
+
+  with pytest.raises(ConfigError, match=r"^shared_experts=2: decoder_block=\w+ has no shared experts"):
+    make_config(f"model_name={model}", "shared_experts=2")
+  assert make_config("model_name=tiny-deepseek", "shared_experts=1").shared_experts == 1

@@ -158,3 +158,166 @@ def test_maxlite_train_describe_runs_as_a_command():
   )
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("steps (RunInfo)\n  type:        int\n  default:     200\n")
+
+
+# The derived keys: every key validate_and_derive adds is declared in schema.Derived, with its type.
+
+
+@pytest.mark.parametrize(
+  "argv, devices, platform",
+  [
+    (["configs/base.yml"], 1, "cpu"),
+    (["configs/base.yml", "model_name=tiny-deepseek", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"], 8, "tpu"),
+    (["configs/base.yml", "model_name=tiny-gemma3", "ensemble_size=2", "ensemble_data=distinct"], 2, "gpu"),
+  ],
+)
+def test_every_derived_key_is_declared_with_its_type(argv, devices, platform):
+  import MaxLite.models  # noqa: F401  (registers the families whose parameter counts the derive step asks for)
+  from MaxLite.config import validation
+
+  derived = validation.validate_and_derive(
+    loader.load_raw(argv), num_devices=devices, num_slices=1, process_count=1, platform=platform
+  )
+  assert schema.derived_problems(derived) == []
+  assert set(derived) == set(schema.FIELDS) | set(schema.DERIVED)
+
+
+def test_a_derived_key_the_schema_does_not_declare_is_named():
+  derived = schema.defaults() | {"explicit_keys": []} | {k: None for k in schema.DERIVED if k != "explicit_keys"}
+  derived |= {"global_batch": 8, "mesh_shape": [1.5], "attention_kernel": "flash"}
+  problems = schema.derived_problems(derived)
+  assert "global_batch: held by the config, declared nowhere in the schema" in problems
+  assert any(p.startswith("mesh_shape.0: Input should be a valid integer") for p in problems), problems
+  assert any(p.startswith("attention_kernel: Input should be 'dot_product', 'splash' or 'cudnn'") for p in problems)
+  del derived["num_params"]
+  assert "num_params: declared in Derived, not in the config" in schema.derived_problems(derived)
+
+
+def test_describe_answers_for_a_derived_key():
+  assert schema.describe("mesh_shape").startswith("mesh_shape (Derived)\n  type:        list[int]\n")
+  assert "  global_batch_size_to_train_on (int): sequences one optimizer step sees" in schema.describe("Derived")
+
+
+# `config.key` is typed for editors: Config declares every key's type, and reads stay as they were.
+
+
+def test_config_declares_every_key_with_the_type_it_reads_as():
+  hints = typing.get_type_hints(loader.Config)
+  for key, field in (schema.FIELDS | schema.DERIVED).items():
+    want = field.annotation
+    if typing.get_origin(want) is list:  # a Config hands lists out as tuples
+      want = tuple[typing.get_args(want)[0], ...]
+    assert hints.get(key) == want, (key, hints.get(key), want)
+  assert set(hints) == set(schema.FIELDS) | set(schema.DERIVED)
+  with open(schema.CONFIG_KEYS_PATH, encoding="utf-8") as f:
+    generated = f.read()
+  # Text compared without the wrapping `ruff format` adds, so a regenerated file only differs where the schema did.
+  squash = lambda text: re.sub(r"\s+|,(?=\s*\])", "", text)  # noqa: E731
+  assert squash(generated) == squash(schema.config_keys_source()), "run schema.write_config_keys() and ruff format"
+
+
+def test_config_reads_stay_attribute_reads_of_a_frozen_hashable_view():
+  config = loader.Config({"steps": 3, "mesh_shape": [1, 2]})
+  assert config.steps == 3 and config.mesh_shape == (1, 2) and "steps" in config and "seed" not in config
+  assert "steps" not in vars(type(config)) and not hasattr(config, "seed")  # declared, not a class attribute
+  with pytest.raises(AttributeError, match="config has no key 'seed'"):
+    config.seed  # noqa: B018
+  with pytest.raises(AttributeError, match="config is frozen"):
+    config.steps = 4
+  assert {config: 1}[config] == 1 and config.to_dict() == {"steps": 3, "mesh_shape": [1, 2]}
+
+
+# The README's tables of keys say what the schema says.
+
+
+def _table_cells(text: str) -> list[tuple[list[str], list[list[str]]]]:
+  """Each Markdown table: its header cells and its rows' cells."""
+  tables, lines = [], text.splitlines()
+  for i, line in enumerate(lines[:-1]):
+    if (
+      line.startswith("|")
+      and re.match(r"^\|(\s*:?-+:?\s*\|)+$", lines[i + 1])
+      and not (i and lines[i - 1].startswith("|"))
+    ):
+      rows = []
+      for row in lines[i + 2 :]:
+        if not row.startswith("|"):
+          break
+        rows.append([c.strip() for c in row.strip("|").split("|")])
+      tables.append(([c.strip() for c in line.strip("|").split("|")], rows))
+  return tables
+
+
+_KEY_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_KEY_COLUMNS = ("key", "keys", "asked by")
+
+
+def readme_key_problems(text: str) -> list[str]:
+  """Every key a README table names that the schema lacks, every `key=value` it cannot take and every stated default
+  that is not the schema's, one line each."""
+  problems = []
+  known = set(schema.FIELDS) | set(schema.DERIVED)
+  for header, rows in _table_cells(text):
+    for row in rows:
+      for column, cell in zip(header, row):
+        for span in re.findall(r"`([^`]+)`", cell):
+          for token in span.split():
+            key, eq, value = token.partition("=")
+            if eq and _KEY_NAME.match(key):
+              if key not in schema.FIELDS:
+                problems.append(f"{key}: set in a README table ({token}), not a settable key of the schema")
+                continue
+              try:
+                schema.coerce(key, value, "README.md")
+              except ConfigError as e:
+                problems.append(f"{key}: README table's {token}: {e}")
+          first = span.split()[0]
+          if column.lower() in _KEY_COLUMNS and _KEY_NAME.match(first) and first not in known:
+            problems.append(f"{first}: in a README table's {column!r} column, not in the schema")
+        for key, value in re.findall(r"`([a-z][a-z0-9_]*)` \(default:? `?([^`)]+)`?\)", cell):
+          if key in schema.FIELDS and schema.coerce(key, value, "README.md") != schema.FIELDS[key].default:
+            problems.append(f"{key}: README says default {value!r}, the schema's {schema.FIELDS[key].default!r}")
+    if header[0].lower() == "value":  # a key's values, one a row: which key is the one whose values they all are
+      values = [re.match(r"`([^`]+)`", row[0]).group(1) for row in rows if re.match(r"`([^`]+)`", row[0])]
+      keys = [k for k in schema.FIELDS if set(values) <= set(schema.allowed_values(k) or ())]
+      if len(keys) != 1:
+        problems.append(f"README table of values {values}: the values of {keys or 'no key'}, not of exactly one")
+        continue
+      for row in rows:
+        marked = re.match(r"`([^`]+)` \(default\)", row[0])
+        if marked and marked.group(1) != schema.FIELDS[keys[0]].default:
+          problems.append(
+            f"{keys[0]}: README says default {marked.group(1)!r}, the schema's {schema.FIELDS[keys[0]].default!r}"
+          )
+  return problems
+
+
+def _readme() -> str:
+  with open("README.md", encoding="utf-8") as f:
+    return f.read()
+
+
+def test_readme_tables_of_keys_match_the_schema():
+  assert _table_cells(_readme()), "README.md has no tables"
+  assert readme_key_problems(_readme()) == []
+
+
+@pytest.mark.parametrize(
+  "edit, problem",
+  [
+    (("| `autoselected` (default) |", "| `autoselected` |"), None),
+    (("| `dot_product` | XLA", "| `dot_product` (default) | XLA"), "attention: README says default 'dot_product'"),
+    (("| `ici_fsdp_parallelism` |", "| `ici_fsdp_parallelizm` |"), "ici_fsdp_parallelizm: in a README table's 'keys'"),
+    (("(`dtype=float32`)", "(`dtype=float31`)"), "dtype: README table's dtype=float31: dtype='float31' is not one of"),
+    (("(`num_vocab_slices=1 ", "(`num_vocab_slice=1 "), "num_vocab_slice: set in a README table (num_vocab_slice=1)"),
+    (("| `splash` (MaxText", "| `splish` (MaxText"), "README table of values ['autoselected', 'dot_product', 'splish'"),
+  ],
+)
+def test_a_readme_table_that_drifts_is_named(edit, problem):
+  text = _readme()
+  assert text.count(edit[0]) == 1, edit[0]
+  problems = readme_key_problems(text.replace(*edit))
+  if problem is None:
+    assert problems == []
+  else:
+    assert any(p.startswith(problem) for p in problems), problems

@@ -3,8 +3,8 @@ exact parameter count, FLOPs, config checks and Hugging Face name map.
 
 The registry sits here, below everything that reads it (config validation asks a family for its checks and parameter
 count, the transformer for its layer), and the families fill it from above: each module of `MaxLite/models/`
-registers one when `MaxLite.models` is imported (the package's `__init__.py` does, as torchtitan's does). So a config module never
-imports a model module, and adding a family touches only `models/`, its config file and its tests.
+registers one when `MaxLite.models` is imported (the package's `__init__.py` does, as torchtitan's does). So a config
+module never imports a model module, and adding a family touches only `models/`, its config file and its tests.
 """
 
 from __future__ import annotations

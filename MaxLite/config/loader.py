@@ -23,14 +23,16 @@ from absl import logging
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import maxtext_compat, schema, validation
+from MaxLite.config.config_keys import ConfigKeys
 from MaxLite.storage.layout import DATA_POSITIONS, newest_step, saved_config_path, step_dir_of, step_numbers
 
 BASE_CONFIG_PATH = os.path.join(storage.configs_dir(), "base.yml")
 MODELS_DIR = os.path.join(storage.configs_dir(), "models")
 
 
-class Config:
-  """Read-only attribute view over a dict of config values (lists become tuples)."""
+class Config(ConfigKeys):
+  """Read-only attribute view over a dict of config values (lists become tuples). `ConfigKeys` only declares each
+  key's type for editors and type checkers (its annotations create no attributes): every read comes here."""
 
   def __init__(self, values: Mapping[str, Any]):
     object.__setattr__(self, "_values", MappingProxyType({k: _freeze(v) for k, v in values.items()}))

@@ -176,7 +176,7 @@ def qlora_contractions(c: dict[str, Any]) -> list[tuple[str, str, int]]:
   dense = [(f"mlp/{n}", *emb) for n in (("wi",) if c["fused_mlp"] else ("wi_0", "wi_1"))]
   dense.append(("mlp/wo", "base_mlp_dim", c["base_mlp_dim"]))
   shared = []
-  if c["decoder_block"] == "deepseek" and c["shared_experts"] > 0:
+  if c["shared_experts"] > 0:  # only families that build shared experts accept the key (their checks)
     shared = [(f"shared_experts/{n}", *emb) for n in ("wi_0", "wi_1")]
     shared.append(("shared_experts/wo", "shared_experts x moe_mlp_dim", c["shared_experts"] * moe_mlp_dim(c)))
   pipelined = c["ici_pipeline_parallelism"] != 1 or c["dcn_pipeline_parallelism"] != 1

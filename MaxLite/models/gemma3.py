@@ -26,7 +26,7 @@ from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.rope import default_frequencies, rope_frequencies
 from MaxLite.models import flops, hf_layout
 from MaxLite.models.hf_layout import Tensor
-from MaxLite.models.llama import attention_parameters
+from MaxLite.models.llama import attention_parameters, refuse_shared_experts
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 GLOBAL_EVERY = 6  # layers 5, 11, 17, ... attend globally (transformers' sliding_window_pattern, MaxText's pattern)
@@ -94,6 +94,7 @@ def training_flops(config: Config) -> dict[str, float]:
 
 
 def check(c: Mapping[str, Any]) -> None:
+  refuse_shared_experts(c)
   if list(c["mlp_activations"]) != ["gelu", "linear"]:
     raise ConfigError(f"decoder_block=gemma3 needs mlp_activations=['gelu', 'linear'], got {c['mlp_activations']}")
   if c["num_experts"] > 1:

@@ -70,7 +70,16 @@ def parameter_count(c: Mapping[str, Any]) -> int:
   return vocab * emb + c["base_num_decoder_layers"] * per_layer + emb + head
 
 
+def refuse_shared_experts(c: Mapping[str, Any]) -> None:
+  if c["shared_experts"] > 0:
+    raise ConfigError(
+      f"shared_experts={c['shared_experts']}: decoder_block={c['decoder_block']} has no shared experts "
+      "(decoder_block=deepseek has); use 0"
+    )
+
+
 def check(c: Mapping[str, Any]) -> None:
+  refuse_shared_experts(c)
   if c["mlp_activations"][0] != "silu" and c["num_experts"] > 1:
     raise ConfigError(f"mlp_activations={c['mlp_activations']}: MoE experts are SwiGLU; use ['silu', 'linear']")
 

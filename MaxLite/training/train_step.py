@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxLite.config import Config
+from MaxLite.config.families import family
 from MaxLite.layers import lora
 from MaxLite.models.transformer import logits_dtype
 from MaxLite.parallel.sharding import on_device
@@ -158,18 +159,20 @@ def train_step(
 
 
 def update_routing_bias(params: Any, counts: jax.Array, config: Config) -> Any:
-  """DeepSeek-V3's auxiliary-loss-free balancing (MaxText's update): each MoE layer's routing bias moves by
+  """Auxiliary-loss-free balancing (DeepSeek-V3's, MaxText's update): each MoE layer's routing bias moves by
   routed_bias_update_rate towards balance, up for an expert chosen less often than the average, down for one chosen
   more. counts [MoE layers, experts] are this step's choices over the whole global batch. No gradient is involved."""
   step = config.routed_bias_update_rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
-  decoder = dict(params["decoder"])
-  if config.scan_layers:
-    moe = decoder["moe_layers"]
-    decoder["moe_layers"] = _with_bias(moe, moe["moe"]["score_correction_bias"] + step)
-  else:
-    for j in range(counts.shape[0]):
-      moe = decoder[f"moe_layers_{j}"]
-      decoder[f"moe_layers_{j}"] = _with_bias(moe, moe["moe"]["score_correction_bias"] + step[j])
+  decoder, row = dict(params["decoder"]), 0
+  # counts' rows are the MoE layers in depth order: the family's stacks in order, each scanned or unrolled.
+  for stack in family(config.decoder_block).stacks(config):
+    names = [stack.name] if config.scan_layers else [f"{stack.name}_{i}" for i in range(stack.count)]
+    for name in names:
+      if "score_correction_bias" not in decoder.get(name, {}).get("moe", {}):
+        continue
+      rows = step[row : row + stack.count] if config.scan_layers else step[row]
+      decoder[name] = _with_bias(decoder[name], decoder[name]["moe"]["score_correction_bias"] + rows)
+      row += stack.count if config.scan_layers else 1
   return {**params, "decoder": decoder}
 
 
