@@ -88,6 +88,14 @@ if [[ -z "$PYTHON_NAMED" && -z "${VIRTUAL_ENV:-}" && -z "${CONDA_PREFIX:-}" ]]; 
   fi
   PYTHON="$PWD/.venv/bin/python"
   in_dot_venv=1
+elif [[ -z "$PYTHON_NAMED" && ! -e .venv ]]; then
+  # The README's next words are `source .venv/bin/activate`: for a user whose environment is already active they
+  # must enter that same one, not fail.
+  if [[ -n "${VIRTUAL_ENV:-}" ]]; then
+    ln -s "$VIRTUAL_ENV" .venv
+  else
+    mkdir -p .venv/bin && printf 'conda activate %q\n' "$CONDA_PREFIX" > .venv/bin/activate
+  fi
 fi
 
 if [[ "$MODE" == pinned ]]; then

@@ -235,8 +235,28 @@ def test_setup_sh_installs_into_the_active_environment_or_the_named_python(tmp_p
   checkout, env, log = _checkout_with_a_fake_python(tmp_path)
   proc = _run_setup(checkout, {**env, **env_var})
   assert proc.returncode == 0, proc.stderr
-  assert not (checkout / ".venv").exists() and ".venv" not in proc.stdout
+  assert "installed into .venv" not in proc.stdout and not (checkout / ".venv" / "bin" / "python").exists()
   assert {c.split()[0] for c in log.read_text().splitlines()} == {f"{tmp_path}/bin/python3"}
+
+
+def test_the_readmes_two_commands_work_with_a_venv_already_active(tmp_path):
+  """`bash setup.sh && source .venv/bin/activate` in a shell whose venv is active installs there, and the `source`
+  enters that same environment (it failed: no .venv was made)."""
+  checkout, env, log = _checkout_with_a_fake_python(tmp_path)
+  active = tmp_path / "myvenv"
+  (active / "bin").mkdir(parents=True)
+  (active / "bin" / "activate").write_text(f'export VIRTUAL_ENV="{active}"\n')
+  script = 'bash setup.sh AOT=0 && source .venv/bin/activate && echo "in $VIRTUAL_ENV"'
+  proc = subprocess.run(
+    ["bash", "-c", script], cwd=checkout, env={**env, "VIRTUAL_ENV": str(active)}, capture_output=True, text=True
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.splitlines()[-1] == f"in {active}" and (checkout / ".venv").resolve() == active
+  (tmp_path / "conda").mkdir()
+  conda = _checkout_with_a_fake_python(tmp_path / "conda")[0]
+  proc = _run_setup(conda, {**env, "CONDA_PREFIX": "/opt/conda/envs/x"})
+  assert proc.returncode == 0, proc.stderr
+  assert (conda / ".venv" / "bin" / "activate").read_text() == "conda activate /opt/conda/envs/x\n"
 
 
 def test_setup_sh_says_in_one_line_what_to_do_when_no_venv_can_be_made(tmp_path):

@@ -41,7 +41,7 @@ class ModelArchitecture(BaseModel):
   )
   decoder_block: str = Field(
     "llama2",
-    description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3",
+    description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3 | deepseek",
   )
   base_emb_dim: int = Field(256, description="model (embedding) width")
   base_num_query_heads: int = Field(4, description="attention query heads")
