@@ -68,7 +68,7 @@ def test_only_the_script_entry_reexecs_never_main_called_from_another_program(mo
 
   calls = []
   monkeypatch.setattr(allocator, "reexec_with_tcmalloc", lambda: calls.append("reexec"))
-  monkeypatch.setattr(cli, "run_config_tool", lambda run, doc: calls.append("train"))
+  monkeypatch.setattr(cli, "run_config_tool", lambda run, doc, **_: calls.append("train"))
   train.main()
   assert calls == ["train"]
   train.script()  # the maxlite-train console script
