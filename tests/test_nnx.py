@@ -1,5 +1,5 @@
-"""The decoder as a Flax NNX module (MaxLite/training/nnx_module.py): sharded by its own partition metadata, an NNX user's
-training step equals MaxLite's, and its parameters go to and from MaxLite checkpoints unchanged."""
+"""The decoder as a Flax NNX module (MaxLite/training/nnx_module.py): sharded by its own partition metadata, an NNX
+user's training step equals MaxLite's, and its parameters go to and from MaxLite checkpoints unchanged."""
 
 import flax.linen as nn
 import jax
@@ -10,7 +10,6 @@ from conftest import first_devices, make_config
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
-from MaxLite.training import nnx_module
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint.manager import sharded_target
 from MaxLite.cli.errors import ConfigError
@@ -18,7 +17,7 @@ from MaxLite.data import input_pipeline
 from MaxLite.models import build
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
-from MaxLite.training import builder
+from MaxLite.training import builder, nnx_module
 from MaxLite.training import loss as loss_lib
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.trainer import initial_state, train

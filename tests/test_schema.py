@@ -198,6 +198,22 @@ def test_describe_answers_for_a_derived_key():
   assert "  global_batch_size_to_train_on (int): sequences one optimizer step sees" in schema.describe("Derived")
 
 
+def test_decode_ranges_sit_beside_their_keys_as_a_model_validator():
+  from MaxLite.config.keys_run import Decoding
+
+  assert Decoding in schema.CHECKED_GROUPS
+  values = {key: schema.FIELDS[key].default for key in Decoding.model_fields}
+  Decoding.model_validate(values)
+  with pytest.raises(ConfigError, match=r"^decode_seed must be in \[0, 2\*\*32\), got -1$"):
+    Decoding.model_validate(values | {"decode_seed": -1})
+  with pytest.raises(
+    ConfigError, match="^decode_sampling_temperature must be in \\(0, inf\\) for decode_sampling_strat"
+  ):
+    schema.check_cross_keys(
+      schema.defaults() | {"decode_sampling_strategy": "topk", "decode_sampling_temperature": 0.0}
+    )
+
+
 # `config.key` is typed for editors: Config declares every key's type, and reads stay as they were.
 
 
@@ -212,7 +228,7 @@ def test_config_declares_every_key_with_the_type_it_reads_as():
   with open(schema.CONFIG_KEYS_PATH, encoding="utf-8") as f:
     generated = f.read()
   # Text compared without the wrapping `ruff format` adds, so a regenerated file only differs where the schema did.
-  squash = lambda text: re.sub(r"\s+|,(?=\s*\])", "", text)  # noqa: E731
+  squash = lambda text: re.sub(r"\s+|,(?=\s*\])", "", text).replace("'", '"')  # noqa: E731
   assert squash(generated) == squash(schema.config_keys_source()), "run schema.write_config_keys() and ruff format"
 
 
@@ -250,20 +266,21 @@ def _table_cells(text: str) -> list[tuple[list[str], list[list[str]]]]:
 
 _KEY_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _KEY_COLUMNS = ("key", "keys", "asked by")
+_STATED_DEFAULT = re.compile(r"`([a-z][a-z0-9_]*)` \(default (?:`([^`]+)`|(-?[0-9][0-9.e+-]*)(?=[,)]))")
 
 
 def readme_key_problems(text: str) -> list[str]:
-  """Every key a README table names that the schema lacks, every `key=value` it cannot take and every stated default
-  that is not the schema's, one line each."""
+  """Every key a README table names that the schema lacks, every `key=value` there it cannot take and every default
+  the README states that is not the schema's, one line each."""
   problems = []
   known = set(schema.FIELDS) | set(schema.DERIVED)
   for header, rows in _table_cells(text):
-    for row in rows:
+    for row in [header, *rows]:  # a header may name settings too
       for column, cell in zip(header, row):
         for span in re.findall(r"`([^`]+)`", cell):
           for token in span.split():
             key, eq, value = token.partition("=")
-            if eq and _KEY_NAME.match(key):
+            if eq and _KEY_NAME.match(key) and token != "key=value":  # not the placeholder of `CONFIG.yml key=value`
               if key not in schema.FIELDS:
                 problems.append(f"{key}: set in a README table ({token}), not a settable key of the schema")
                 continue
@@ -274,9 +291,6 @@ def readme_key_problems(text: str) -> list[str]:
           first = span.split()[0]
           if column.lower() in _KEY_COLUMNS and _KEY_NAME.match(first) and first not in known:
             problems.append(f"{first}: in a README table's {column!r} column, not in the schema")
-        for key, value in re.findall(r"`([a-z][a-z0-9_]*)` \(default:? `?([^`)]+)`?\)", cell):
-          if key in schema.FIELDS and schema.coerce(key, value, "README.md") != schema.FIELDS[key].default:
-            problems.append(f"{key}: README says default {value!r}, the schema's {schema.FIELDS[key].default!r}")
     if header[0].lower() == "value":  # a key's values, one a row: which key is the one whose values they all are
       values = [re.match(r"`([^`]+)`", row[0]).group(1) for row in rows if re.match(r"`([^`]+)`", row[0])]
       keys = [k for k in schema.FIELDS if set(values) <= set(schema.allowed_values(k) or ())]
@@ -289,6 +303,12 @@ def readme_key_problems(text: str) -> list[str]:
           problems.append(
             f"{keys[0]}: README says default {marked.group(1)!r}, the schema's {schema.FIELDS[keys[0]].default!r}"
           )
+  # Anywhere in the text, a default stated as a value (`key` (default `value`) or (default 512, ...)), not in words.
+  for key, quoted, number in _STATED_DEFAULT.findall(text):
+    if key not in schema.FIELDS:
+      problems.append(f"{key}: README states its default, not a settable key of the schema")
+    elif schema.coerce(key, quoted or number, "README.md") != schema.FIELDS[key].default:
+      problems.append(f"{key}: README says default {quoted or number!r}, the schema's {schema.FIELDS[key].default!r}")
   return problems
 
 
@@ -308,7 +328,9 @@ def test_readme_tables_of_keys_match_the_schema():
     (("| `autoselected` (default) |", "| `autoselected` |"), None),
     (("| `dot_product` | XLA", "| `dot_product` (default) | XLA"), "attention: README says default 'dot_product'"),
     (("| `ici_fsdp_parallelism` |", "| `ici_fsdp_parallelizm` |"), "ici_fsdp_parallelizm: in a README table's 'keys'"),
-    (("(`dtype=float32`)", "(`dtype=float31`)"), "dtype: README table's dtype=float31: dtype='float31' is not one of"),
+    (("activations | `dtype=float32`", "activations | `dtype=float31`"), "dtype: README table's dtype=float31: dtype="),
+    (("`sa_block_kv_dq` (default 512,", "`sa_block_kv_dq` (default 256,"), "sa_block_kv_dq: README says default '256'"),
+    (("`grain_text_column` (default `text`)", "`grain_text_column` (default `txt`)"), "grain_text_column: README says"),
     (("(`num_vocab_slices=1 ", "(`num_vocab_slice=1 "), "num_vocab_slice: set in a README table (num_vocab_slice=1)"),
     (("| `splash` (MaxText", "| `splish` (MaxText"), "README table of values ['autoselected', 'dot_product', 'splish'"),
   ],

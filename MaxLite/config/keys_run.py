@@ -6,9 +6,12 @@ comment (tests/test_schema.py holds the two equal). `schema.py` composes these g
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from MaxLite.cli.errors import ConfigError
 
 DatasetType = Literal["synthetic", "grain"]
 DecodeSamplingStrategy = Literal["greedy", "weighted", "topk", "nucleus"]
@@ -409,6 +412,34 @@ class Decoding(BaseModel):
     description="nucleus: sample among the most likely tokens whose probabilities sum to p, in (0, 1]",
   )
   decode_seed: int = Field(0, description="sampling seed, in [0, 2**32)")
+
+  @model_validator(mode="after")
+  def _in_range(self) -> Decoding:
+    """Refused at load like the rest: out of range they fail deep in JAX (top_k=0) or decode garbage (temperature 0
+    divides the logits by zero) after the checkpoint has been read."""
+    for key in ("max_prefill_predict_length", "max_decode_steps"):
+      if getattr(self, key) < 1:
+        raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+    # A top_k above the vocabulary samples among every token (sample() clamps it), so only the lower end is refused.
+    if self.decode_sampling_top_k < 1:
+      raise ConfigError(
+        f"decode_sampling_top_k must be in [1, inf) (the most likely tokens kept), got {self.decode_sampling_top_k}"
+      )
+    if not 0.0 < self.decode_sampling_nucleus_p <= 1.0:  # NaN fails too
+      raise ConfigError(
+        f"decode_sampling_nucleus_p must be in (0, 1] (probability mass kept), got {self.decode_sampling_nucleus_p}"
+      )
+    strategy, temperature = self.decode_sampling_strategy, self.decode_sampling_temperature
+    # Greedy never reads the temperature, and 0 is how other tools spell greedy: accepted there, refused elsewhere.
+    if strategy != "greedy" and not 0.0 < temperature < math.inf:
+      raise ConfigError(
+        f"decode_sampling_temperature must be in (0, inf) for decode_sampling_strategy={strategy!r}, got "
+        f"{temperature}; for the most likely token at every step use decode_sampling_strategy=greedy"
+      )
+    # JAX keeps 32 bits of a seed (without jax_enable_x64): other seeds repeat one of these or overflow.
+    if not 0 <= self.decode_seed < 2**32:
+      raise ConfigError(f"decode_seed must be in [0, 2**32), got {self.decode_seed}")
+    return self
 
 
 class Distributed(BaseModel):

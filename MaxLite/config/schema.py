@@ -250,6 +250,16 @@ def keys_help(program: str) -> str:
   return "\n".join(lines)
 
 
+CHECKED_GROUPS = tuple(g for g in GROUPS if g.__pydantic_decorators__.model_validators)
+
+
+def check_cross_keys(config: Mapping[str, Any]) -> None:
+  """Run the cross-key checks that sit beside their keys (a group's model validators, e.g. Decoding's ranges) on a
+  merged config's already typed values; each raises its one-line ConfigError."""
+  for group in CHECKED_GROUPS:
+    group.model_validate({key: config[key] for key in group.model_fields})
+
+
 def derived_problems(config: Mapping[str, Any]) -> list[str]:
   """Every way a derived config (validate_and_derive's dict) disagrees with the schema, one line each: a key neither
   settable nor declared in `Derived`, a declared one missing, or a value not of its declared type."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import attention_choice, ensembles, families, post_training
+from MaxLite.config import attention_choice, ensembles, families, post_training, schema
 from MaxLite.config.choices import (
   ATTENTION,
   AXIS_KEY,
@@ -316,33 +316,6 @@ def _check_optimizer(c: dict[str, Any]) -> None:
       raise ConfigError(f"{key} must be in {interval}, got {value}")
 
 
-def _check_decode(c: dict[str, Any]) -> None:
-  """decode.py's keys, refused at load like the rest: out of range they fail deep in JAX (top_k=0) or decode
-  garbage (temperature 0 divides the logits by zero) after the checkpoint has been read."""
-  for key in ("max_prefill_predict_length", "max_decode_steps"):
-    if c[key] < 1:
-      raise ConfigError(f"{key} must be at least 1, got {c[key]}")
-  # A top_k above the vocabulary samples among every token (sample() clamps it), so only the lower end is refused.
-  if c["decode_sampling_top_k"] < 1:
-    raise ConfigError(
-      f"decode_sampling_top_k must be in [1, inf) (the most likely tokens kept), got {c['decode_sampling_top_k']}"
-    )
-  if not 0.0 < c["decode_sampling_nucleus_p"] <= 1.0:  # NaN fails too
-    raise ConfigError(
-      f"decode_sampling_nucleus_p must be in (0, 1] (probability mass kept), got {c['decode_sampling_nucleus_p']}"
-    )
-  strategy, temperature = c["decode_sampling_strategy"], c["decode_sampling_temperature"]
-  # Greedy never reads the temperature, and 0 is how other tools spell greedy: accepted there, refused elsewhere.
-  if strategy != "greedy" and not 0.0 < temperature < math.inf:
-    raise ConfigError(
-      f"decode_sampling_temperature must be in (0, inf) for decode_sampling_strategy={strategy!r}, got {temperature}; "
-      "for the most likely token at every step use decode_sampling_strategy=greedy"
-    )
-  # JAX keeps 32 bits of a seed (without jax_enable_x64): other seeds repeat one of these or overflow.
-  if not 0 <= c["decode_seed"] < 2**32:
-    raise ConfigError(f"decode_seed must be in [0, 2**32), got {c['decode_seed']}")
-
-
 def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
   q, kv = c["base_num_query_heads"], c["base_num_kv_heads"]
   if q % kv:
@@ -582,7 +555,7 @@ def validate_and_derive(
   _check_model_features(c)
   _check_qlora_tiles(c)
   _check_optimizer(c)
-  _check_decode(c)
+  schema.check_cross_keys(c)  # the checks that sit beside their keys, as their group's model validators
   c.update(ensembles.check(c))
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
   slices, ici, dcn = _mesh_axes(c, num_devices, detected_slices)
