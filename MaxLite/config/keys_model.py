@@ -10,26 +10,15 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-AttentionKernel = Literal["autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax"]
-Dtype = Literal["float32", "bfloat16"]
-Placement = Literal["remat", "device", "offload"]
-QuantizationType = Literal["", "int8", "fp8", "fp8_full"]
-RematPolicy = Literal[
-  "none",
-  "full",
-  "minimal",
-  "minimal_with_context",
-  "save_dot_with_context_except_mlp",
-  "save_dot_except_mlpwi",
-  "save_dot_except_mlp",
-  "save_qkv_proj",
-  "save_out_proj",
-  "qkv_proj_offloaded",
-  "minimal_offloaded",
-  "save_dot_except_mlp_offloaded",
-  "custom",
-]
-RopeType = Literal["default", "llama3.1", "yarn"]
+from MaxLite.config import choices
+
+# The closed lists are choices.py's (validation's messages name them too): Literal[tuple] is a Literal of its items.
+AttentionKernel = Literal[choices.ATTENTION]
+Dtype = Literal[choices.DTYPES]
+Placement = Literal[choices.PLACEMENTS]
+QuantizationType = Literal[choices.QUANTIZATIONS]
+RematPolicy = Literal[choices.REMAT_POLICIES]
+RopeType = Literal[choices.ROPE_TYPES]
 
 
 class ModelArchitecture(BaseModel):

@@ -12,13 +12,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from MaxLite.cli.errors import ConfigError
+from MaxLite.config import choices
 
-DatasetType = Literal["synthetic", "grain"]
-DecodeSamplingStrategy = Literal["greedy", "weighted", "topk", "nucleus"]
-FileType = Literal["arrayrecord", "parquet", "jsonl"]
-LoraWeightQtype = Literal["", "nf4", "int8", "int4"]
-Profiler = Literal["", "xplane"]
-TokenizerType = Literal["sentencepiece", "huggingface", "tiktoken"]
+# The closed lists are choices.py's: Literal[tuple] is a Literal of its items.
+DatasetType = Literal[choices.DATASET_TYPES]
+DecodeSamplingStrategy = Literal[choices.DECODE_SAMPLING_STRATEGIES]
+FileType = Literal[choices.FILE_TYPES]
+LoraWeightQtype = Literal[choices.LORA_WEIGHT_QTYPES]
+Profiler = Literal[choices.PROFILERS]
+TokenizerType = Literal[choices.TOKENIZER_TYPES]
 
 LOGICAL_AXIS_RULES = [
   ["ensemble", ["ensemble"]],
