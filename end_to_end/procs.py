@@ -113,6 +113,15 @@ def wait_for_step(proc: subprocess.Popen, metrics_file: str, step: int, log_path
   raise AssertionError(f"step {step} not reached within {timeout}s:\n{tail(log_path)}")
 
 
+def wait_for_saved_step(proc: subprocess.Popen, step_dir: str, timeout: float = 120) -> None:
+  """Until `step_dir` is complete on disk (a local step exists only once orbax has renamed it into place): on a
+  loaded machine an async save can still be writing when a later step is logged, and a kill then leaves no step to
+  resume from."""
+  deadline = time.monotonic() + timeout
+  while not os.path.isdir(step_dir) and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
 def tail(path: str, lines: int = 30) -> str:
   with open(path, encoding="utf-8", errors="replace") as f:
     return "".join(f.readlines()[-lines:])

@@ -43,6 +43,7 @@ def _killed_and_resumed(tmp_path, args, run_name, kill_after):
   metrics, log = str(tmp_path / run_name / "metrics.jsonl"), str(tmp_path / f"{run_name}.log")
   proc = procs.start(command, log, devices=8)
   procs.wait_for_step(proc, metrics, kill_after, log)
+  procs.wait_for_saved_step(proc, str(tmp_path / run_name / "checkpoints" / str(kill_after // 2 * 2)))
   procs.kill_group(proc, signal.SIGKILL)
   assert procs.run(command, log, devices=8) == 0, procs.tail(log)
   resumed = procs.losses(procs.resumed_rows(metrics, log))

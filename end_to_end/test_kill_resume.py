@@ -36,12 +36,9 @@ def _killed_and_run_again(tmp_path, args, checkpoint_period, kill_after):
   metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
   proc = procs.start(command, log, devices=8)
   procs.wait_for_step(proc, metrics, kill_after, log)
-  # An async save can still be writing when the step after it is logged (a loaded machine): kill once the last
-  # period's step is complete on disk, so the rerun has it to resume from.
-  saved = tmp_path / "b" / "checkpoints" / str(kill_after // checkpoint_period * checkpoint_period)
-  deadline = time.monotonic() + 120
-  while not saved.is_dir() and proc.poll() is None and time.monotonic() < deadline:
-    time.sleep(0.05)
+  procs.wait_for_saved_step(
+    proc, str(tmp_path / "b" / "checkpoints" / str(kill_after // checkpoint_period * checkpoint_period))
+  )
   procs.kill_group(proc, signal.SIGKILL)
   assert procs.run(command, log, devices=8) == 0, procs.tail(log)
   return procs.resumed_rows(metrics, log)
