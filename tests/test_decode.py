@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BASE_YML, FAST_COMPILE, REPO, make_config
+from conftest import BASE_YML, FAST_COMPILE, REPO, first_devices, make_config
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.decode import generate, sample
@@ -200,8 +200,7 @@ def test_the_continuation_keeps_the_space_decoding_it_alone_drops(kind):
   """decode.py printed `The list type isthe :issue:`: sentencepiece drops the leading space of a text's first piece,
   so a continuation decoded on its own lost the space before it. Decoded with its prompt, the text reads as the model
   wrote it, for the shipped sentencepiece model and the shipped tokenizer.json alike."""
-  from MaxLite.data.tokenizer import load_tokenizer
-  from MaxLite.inference.generate import continuation_text
+  from MaxLite.data.tokenizer import continuation_text, load_tokenizer
 
   path = {"sentencepiece": "assets/tokenizer/maxlite_sp8k.model", "huggingface": "assets/tokenizer/chat"}[kind]
   tokenizer = load_tokenizer(os.path.join(REPO, path), kind)
@@ -273,3 +272,30 @@ def test_decode_with_a_chat_template_prints_the_reply_up_to_the_end_of_turn(monk
   assert seen["eos"] == tokenizer.encode("<|im_end|>")[0]
   with pytest.raises(ConfigError, match="use_chat_template=true needs tokenizer_type=huggingface"):
     generate.run([BASE_YML, "model_name=tiny", "use_chat_template=true"])
+
+
+def test_decoding_on_a_data_fsdp_tensor_mesh_equals_one_device():
+  """XLA miscomputed a decode step's output projections on this mesh (rows of two batch shards swapped) until the
+  decoder traced with the residual stream whole (sharding.decode_axis_rules). Prompts of different lengths, so every
+  row decodes at its own positions."""
+  from flax.linen import partitioning as nn_partitioning
+
+  from MaxLite.models import build
+  from MaxLite.parallel import sharding
+  from MaxLite.parallel.mesh import create_mesh
+
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(1, 8000, size=rng.integers(5, 30))) for _ in range(8)]
+  common = ("model_name=tiny", "max_target_length=64", "max_prefill_predict_length=40", "max_decode_steps=8")
+  layouts = {
+    1: ("per_device_batch_size=8",),
+    8: ("per_device_batch_size=1", "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+  }
+  outputs = {}
+  for n, layout in layouts.items():
+    config = make_config(*common, *layout, num_devices=n)
+    mesh = create_mesh(config, first_devices(n))
+    with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
+      params = build.random_parameters(config, build.parameters(config, mesh, stored=False))
+      outputs[n], _ = generate(config, params, prompts)
+  assert outputs[8] == outputs[1]

@@ -44,6 +44,7 @@ FILE_STREAM_KEYS = (
   "add_eos",
   "use_sft",
   "use_dpo",
+  "use_grpo",
   "sft_train_on_completion_only",
   "train_data_columns",
   "use_chat_template",

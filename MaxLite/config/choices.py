@@ -55,6 +55,11 @@ CALIBRATION_KEYS = (
 # train_data_columns (MaxText's key) of each post-training record kind; the first of a kind is its default.
 SFT_COLUMNS = (("messages",), ("prompt", "completion"))
 DPO_COLUMNS = (("prompt", "chosen", "rejected"), ("chosen", "rejected"))
+GRPO_LOSS_ALGOS = ("grpo", "gspo-token")  # MaxText's rl.loss_algo
+GRPO_LOSS_AGG_MODES = ("sequence-mean-token-mean", "token-mean", "sequence-mean")  # MaxText's rl.loss_agg_mode
+# use_grpo with no data named: the shipped arithmetic problems (MaxLite/data/arithmetic.py) and their answers.
+GRPO_SHIPPED_TRAIN = "assets/grpo/arithmetic-train.jsonl"
+GRPO_SHIPPED_EVAL = "assets/grpo/arithmetic-eval.jsonl"
 
 # Every name a layer tags, in the order base.yml lists their `custom` keys.
 REMAT_NAMES = (

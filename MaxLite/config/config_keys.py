@@ -208,6 +208,18 @@ class ConfigKeys:
   use_chat_template: bool
   chat_template_path: str
 
+  # Grpo (`--describe Grpo`)
+  use_grpo: bool
+  num_generations: int
+  num_iterations: int
+  grpo_beta: float
+  grpo_epsilon: float
+  epsilon_high: float
+  loss_algo: Literal["grpo", "gspo-token"]
+  loss_agg_mode: Literal["sequence-mean-token-mean", "token-mean", "sequence-mean"]
+  reward_functions: tuple[str, ...]
+  reward_weights: tuple[float, ...]
+
   # Lora (`--describe Lora`)
   enable_lora: bool
   lora_rank: int

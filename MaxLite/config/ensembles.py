@@ -17,6 +17,7 @@ ENSEMBLE_DATA = ("same", "distinct")
 # has not been tested with, so it is refused up front rather than trusted.
 _UNSUPPORTED = (
   ("use_dpo", "DPO"),
+  ("use_grpo", "GRPO"),
   ("enable_lora", "LoRA"),
   ("quantization", "quantized training"),
   ("parameter_memory_host_offload", "host offload"),

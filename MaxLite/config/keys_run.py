@@ -19,6 +19,8 @@ DatasetType = Literal[choices.DATASET_TYPES]
 DecodeSamplingStrategy = Literal[choices.DECODE_SAMPLING_STRATEGIES]
 FileType = Literal[choices.FILE_TYPES]
 LoraWeightQtype = Literal[choices.LORA_WEIGHT_QTYPES]
+LossAlgo = Literal[choices.GRPO_LOSS_ALGOS]
+LossAggMode = Literal[choices.GRPO_LOSS_AGG_MODES]
 Profiler = Literal[choices.PROFILERS]
 TokenizerType = Literal[choices.TOKENIZER_TYPES]
 
@@ -208,6 +210,57 @@ class PostTraining(BaseModel):
     "",
     description='a .jinja file or a tokenizer_config-style .json with "chat_template"; "" = the tokenizer\'s',
   )
+
+
+class Grpo(BaseModel):
+  """GRPO: reinforcement learning from rewards on sampled completions (MaxText's rl keys; TRL's math). In a YAML file
+  they may also sit under `rl:` and on the command line be written rl.KEY=VALUE, as MaxText's post_train/rl.yml does."""
+
+  use_grpo: bool = Field(
+    False,
+    description="GRPO on prompts (train_data_columns: the prompt first; the rest go to the reward functions)",
+  )
+  num_generations: int = Field(2, description="GRPO: completions sampled per prompt (G), >= 2; the batch holds them")
+  num_iterations: int = Field(1, description="GRPO: updates per batch of completions (mu), >= 1")
+  grpo_beta: float = Field(0.08, description="GRPO: weight of the KL penalty to the reference; 0 = no reference")
+  grpo_epsilon: float = Field(0.2, description="GRPO: clip range of the probability ratio, below 1")
+  epsilon_high: float = Field(-1.0, description="GRPO: clip range above 1 (DAPO's clip-higher); -1 = grpo_epsilon")
+  loss_algo: LossAlgo = Field("grpo", description="grpo (token ratios) | gspo-token (the sequence's ratio per token)")
+  loss_agg_mode: LossAggMode = Field(
+    "sequence-mean-token-mean",
+    description="sequence-mean-token-mean | token-mean | sequence-mean: how token losses make the batch's loss",
+  )
+  reward_functions: list[str] = Field(
+    ["MaxLite.data.arithmetic:exact_match", "MaxLite.data.arithmetic:format_reward"],
+    description="GRPO: module:function or file.py:function, each f(prompts, completions, **columns) -> scores",
+  )
+  reward_weights: list[float] = Field([], description="GRPO: one weight per reward function; [] = 1.0 each")
+
+  @model_validator(mode="after")
+  def _in_range(self) -> Grpo:
+    """Refused at load: each would fail only after the model is built, or silently learn nothing (one generation
+    has no group to be relative to)."""
+    if self.num_generations < 2:
+      raise ConfigError(
+        f"num_generations must be at least 2 (advantages are relative to the other completions of the same "
+        f"prompt), got {self.num_generations}"
+      )
+    if self.num_iterations < 1:
+      raise ConfigError(f"num_iterations must be at least 1, got {self.num_iterations}")
+    if not self.grpo_beta >= 0.0:
+      raise ConfigError(f"grpo_beta must be >= 0, got {self.grpo_beta}")
+    if not 0.0 < self.grpo_epsilon < 1.0:
+      raise ConfigError(f"grpo_epsilon must be in (0, 1), got {self.grpo_epsilon}")
+    if not (self.epsilon_high == -1.0 or 0.0 < self.epsilon_high < math.inf):
+      raise ConfigError(f"epsilon_high must be positive, or -1 for grpo_epsilon, got {self.epsilon_high}")
+    if self.reward_weights and len(self.reward_weights) != len(self.reward_functions):
+      raise ConfigError(
+        f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_functions)} reward_functions; "
+        "give one per function, or [] for 1.0 each"
+      )
+    if self.use_grpo and not self.reward_functions:
+      raise ConfigError("use_grpo=true needs reward_functions (module:function entries)")
+    return self
 
 
 class Lora(BaseModel):

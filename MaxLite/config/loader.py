@@ -160,9 +160,9 @@ def _merge(config: dict[str, Any], updates: Mapping[str, Any], source: str, defa
 
 
 def _canonical(updates: Mapping[str, Any], source: str) -> dict[str, Any]:
-  """Old MaxLite key names -> MaxText's, with a one-line deprecation warning each."""
+  """Old MaxLite key names -> MaxText's, with a one-line deprecation warning each; MaxText's `rl:` group flattened."""
   out = {}
-  for key, value in updates.items():
+  for key, value in maxtext_compat.flatten_rl(dict(updates)).items():
     new = maxtext_compat.RENAMED.get(key)
     if new is not None:
       print(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 from MaxLite import storage
 
@@ -30,3 +31,21 @@ def unimplemented() -> frozenset[str]:
   """MaxText's keys that MaxLite lacks (configs/maxtext_unimplemented.txt)."""
   with open(os.path.join(storage.configs_dir(), "maxtext_unimplemented.txt"), encoding="utf-8") as f:
     return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
+
+
+def flatten_rl(updates: dict[str, Any]) -> dict[str, Any]:
+  """MaxText's post_train/rl.yml groups its GRPO keys under `rl:` (and its commands set them as rl.KEY=VALUE); MaxLite
+  holds them at the top level, as MaxText's older GRPO configs did, so both spellings set the same key. rl.yml's
+  `epsilon_high: null` (= grpo_epsilon) is MaxLite's -1."""
+  out: dict[str, Any] = {}
+  for key, value in updates.items():
+    if key == "rl" and isinstance(value, dict):
+      nested = value.items()
+    elif key.startswith("rl."):
+      nested = [(key[len("rl.") :], value)]
+    else:
+      out[key] = value
+      continue
+    for name, item in nested:
+      out[name] = -1.0 if name == "epsilon_high" and item in (None, "null", "None") else item
+  return out

@@ -1,7 +1,9 @@
-"""The post-training keys (MaxText's): use_sft, use_dpo and what their data needs. Pure checks on the raw dict.
+"""The post-training keys (MaxText's): use_sft, use_dpo, use_grpo and what their data needs. Pure checks on the raw
+dict.
 
 `data_kind(columns)` tells the input pipeline what a record is: "text" (pretraining documents), "chat" (a `messages`
-list), "prompt_completion" or "preference" (chosen/rejected, optionally with a shared prompt).
+list), "prompt_completion" or "preference" (chosen/rejected, optionally with a shared prompt). GRPO reads "prompts":
+records whose first column is the prompt and whose other columns go to the reward functions.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config.choices import DPO_COLUMNS, SFT_COLUMNS
+from MaxLite.config.choices import DPO_COLUMNS, GRPO_SHIPPED_EVAL, GRPO_SHIPPED_TRAIN, SFT_COLUMNS
 
 
 def _columns(c: dict[str, Any], key: str, allowed: tuple[tuple[str, ...], ...], what: str) -> tuple[str, ...]:
@@ -35,6 +37,8 @@ def data_kind(columns: tuple[str, ...] | list[str]) -> str:
 def derive(c: dict[str, Any]) -> dict[str, Any]:
   """train_data_columns / eval_data_columns with their defaults filled in, and data_kind; ConfigError (one line)
   for a combination that cannot run."""
+  if c["use_grpo"]:
+    return _derive_grpo(c)
   if c["use_sft"] and c["use_dpo"]:
     raise ConfigError("use_sft=true and use_dpo=true: choose one (SFT first, then DPO from its checkpoint)")
   if not (c["use_sft"] or c["use_dpo"]):
@@ -71,3 +75,36 @@ def derive(c: dict[str, Any]) -> dict[str, Any]:
     if c["dpo_beta"] <= 0:
       raise ConfigError(f"dpo_beta must be positive, got {c['dpo_beta']}")
   return {"train_data_columns": list(train), "eval_data_columns": list(evaluation), "data_kind": data_kind(train)}
+
+
+def _derive_grpo(c: dict[str, Any]) -> dict[str, Any]:
+  """GRPO's data: the user's prompt files, or with none named the shipped arithmetic problems (prompt + answer)."""
+  for other in ("use_sft", "use_dpo"):
+    if c[other]:
+      raise ConfigError(f"use_grpo=true and {other}=true: choose one (SFT first, then GRPO from its checkpoint)")
+  if c["dataset_type"] != "grain":
+    raise ConfigError("use_grpo=true reads prompts from files: set dataset_type=grain (with grain_train_files)")
+  out: dict[str, Any] = {"data_kind": "prompts"}
+  explicit = set(c.get("explicit_keys", ()))
+  if "grain_train_files" not in explicit:
+    out.update(grain_train_files=GRPO_SHIPPED_TRAIN, grain_file_type="jsonl")
+    if "grain_eval_files" not in explicit:
+      out["grain_eval_files"] = GRPO_SHIPPED_EVAL
+    default_columns = ["prompt", "answer"]
+  else:
+    default_columns = ["prompt"]
+  train = list(c["train_data_columns"]) or default_columns
+  out.update(train_data_columns=train, eval_data_columns=list(c["eval_data_columns"]) or train)
+  if c["use_chat_template"] and c["tokenizer_type"] != "huggingface":
+    raise ConfigError(
+      f"use_chat_template=true needs tokenizer_type=huggingface (a tokenizer.json directory with its chat template), "
+      f"got {c['tokenizer_type']!r}"
+    )
+  if c["num_vocab_tiling"] > 1:
+    raise ConfigError("use_grpo=true needs num_vocab_tiling=1 (GRPO reads every completion token's log-probability)")
+  if c["max_prefill_predict_length"] + c["max_decode_steps"] > c["max_target_length"]:
+    raise ConfigError(
+      f"use_grpo=true: max_prefill_predict_length={c['max_prefill_predict_length']} (the prompt) + "
+      f"max_decode_steps={c['max_decode_steps']} (the completion) exceeds max_target_length={c['max_target_length']}"
+    )
+  return out

@@ -536,6 +536,21 @@ def _micro_batch(c: dict[str, Any], num_devices: int, mesh: dict[str, int]) -> t
   return micro_batch, batch_axes, batch_shards
 
 
+def _check_grpo_batch(c: dict[str, Any], mesh: dict[str, int], global_batch: int) -> None:
+  """A GRPO batch is whole groups of num_generations completions, sampled on the training mesh (no pipeline)."""
+  if not c["use_grpo"]:
+    return
+  if global_batch % c["num_generations"]:
+    raise ConfigError(
+      f"use_grpo=true: the global batch of {global_batch} completions (per_device_batch_size x devices x "
+      f"gradient_accumulation_steps) is not a multiple of num_generations={c['num_generations']}"
+    )
+  if mesh["stage"] > 1:
+    raise ConfigError(
+      "use_grpo=true samples with the KV-cache decoder, which does not pipeline: set ici/dcn_pipeline_parallelism=1"
+    )
+
+
 def validate_and_derive(
   c: dict[str, Any],
   *,
@@ -565,6 +580,7 @@ def validate_and_derive(
   ensembles.check_mesh(c, mesh)
   micro_batch, batch_axes, batch_shards = _micro_batch(c, num_devices, mesh)
   microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
+  _check_grpo_batch(c, mesh, micro_batch * c["gradient_accumulation_steps"])
   gpu_capability = ""
   if platform is None:
     import jax
@@ -581,7 +597,9 @@ def validate_and_derive(
 
   run_name = c["run_name"] or default_run_name()
   run_dir = storage.join(storage.absolute(c["base_output_directory"]), run_name)
-  schedule_steps = c["steps"] if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
+  # A GRPO step makes num_iterations optimizer updates on its batch of completions.
+  updates = c["steps"] * (c["num_iterations"] if c["use_grpo"] else 1)
+  schedule_steps = updates if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
   c.update(
     run_name=run_name,
     learning_rate_schedule_steps=schedule_steps,

@@ -10,7 +10,7 @@ reports -1 for a special token it does not have, and pickles (grain workers re-c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import sentencepiece as spm
@@ -126,3 +126,12 @@ def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> Tokenize
 
     return TiktokenTokenizer(path)
   return SentencePieceTokenizer(path)
+
+
+def continuation_text(tokenizer: Tokenizer, prompt: Sequence[int], new: Sequence[int]) -> str:
+  """The text `new` adds after `prompt`: decoded together with the prompt, less the prompt's own text. Decoded alone
+  a continuation loses what depends on what precedes it (sentencepiece drops its first piece's leading space, a
+  byte-level tokenizer may split a character across the boundary)."""
+  prompt = [t for t in prompt if t != tokenizer.bos_id]
+  before, together = tokenizer.decode(prompt), tokenizer.decode([*prompt, *new])
+  return together[len(before) :] if together.startswith(before) else tokenizer.decode(new)

@@ -23,8 +23,8 @@ from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data.chat import ChatTemplate
-from MaxLite.data.tokenizer import load_tokenizer
-from MaxLite.models import build
+from MaxLite.data.tokenizer import continuation_text, load_tokenizer
+from MaxLite.models import build, sampling
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
 
@@ -38,16 +38,9 @@ def sample(logits: jax.Array, rng: jax.Array, config: Any) -> jax.Array:
     return jnp.argmax(logits, axis=-1)
   logits = logits / config.decode_sampling_temperature
   if config.decode_sampling_strategy == "topk":
-    # A k past the vocabulary means every token (lax.top_k itself refuses it).
-    kth = jax.lax.top_k(logits, min(config.decode_sampling_top_k, logits.shape[-1]))[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    logits = sampling.top_k_logits(logits, config.decode_sampling_top_k)
   elif config.decode_sampling_strategy == "nucleus":
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-    # Keep the smallest top set whose mass reaches p: the cutoff is the first sorted logit past it.
-    cutoff_index = jnp.sum(cumulative < config.decode_sampling_nucleus_p, axis=-1, keepdims=True)
-    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    logits = sampling.top_p_logits(logits, config.decode_sampling_nucleus_p)
   return jax.random.categorical(rng, logits, axis=-1)
 
 
@@ -110,8 +103,9 @@ def generate(
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
   model = build.model(config, decode=True, stored=False)  # LoRA's adapters come merged into the weights
   prefill = jax.jit(functools.partial(_prefill, model=model))
-  step = jax.jit(functools.partial(_step, model=model), donate_argnums=1)
-  logits, cache = prefill(params, jnp.asarray(ids), lengths)
+  rules = sharding.decode_axis_rules(config)
+  step = sharding.traced_under(rules, jax.jit(functools.partial(_step, model=model), donate_argnums=1))
+  logits, cache = sharding.traced_under(rules, prefill)(params, jnp.asarray(ids), lengths)
   rng = jax.random.key(config.decode_seed)
   outputs: list[list[int]] = [[] for _ in prompts]
   done = np.zeros(len(prompts), bool)
@@ -149,15 +143,6 @@ def load_params(config: Any, mesh: Any) -> Any:
   adapters = lora_peft.read_adapter(config.hf_lora_adapter_path, config, abstract_adapters)
   merge = jax.jit(lambda b, a: lora.merged(b, a, lora.scale(config)), out_shardings=params.shardings)
   return merge(loaded, adapters)
-
-
-def continuation_text(tokenizer: Any, prompt: Sequence[int], new: Sequence[int]) -> str:
-  """The text `new` adds after `prompt`: decoded together with the prompt, less the prompt's own text. Decoded alone
-  a continuation loses what depends on what precedes it (sentencepiece drops its first piece's leading space, a
-  byte-level tokenizer may split a character across the boundary)."""
-  prompt = [t for t in prompt if t != tokenizer.bos_id]
-  before, together = tokenizer.decode(prompt), tokenizer.decode([*prompt, *new])
-  return together[len(before) :] if together.startswith(before) else tokenizer.decode(new)
 
 
 def _fit_prompts(config: Any, tokenizer: Any, texts: Sequence[str]) -> tuple[list[list[int]], list[str]]:

@@ -18,6 +18,7 @@ from MaxLite.cli.errors import MaxLiteError
 from MaxLite.config import Config
 from MaxLite.models import flops
 from MaxLite.training.dpo import REWARD_METRICS
+from MaxLite.training.grpo import METRIC_PREFIXES as GRPO_METRIC_PREFIXES
 
 
 class NonFiniteLossError(MaxLiteError):
@@ -171,6 +172,8 @@ def log_line(row: dict[str, Any]) -> str:
     parts.append("member losses " + " ".join(f"{loss:.4f}" for loss in members))
   if "rewards/accuracies" in row:
     parts.append(f"rewards/accuracies {row['rewards/accuracies']:.3f} margins {row['rewards/margins']:.3f}")
+  if "reward" in row:  # GRPO
+    parts.append(f"reward {row['reward']:.3f} kl {row.get('kl', 0.0):.4f} length {row['completions/mean_length']:.1f}")
   if "moe_lb_loss" in row:
     parts.append(f"moe_lb_loss {row['moe_lb_loss']:.4f} dropped {100 * row['moe_dropped_fraction']:.1f}%")
   return " | ".join(parts)
@@ -200,6 +203,7 @@ def metrics_row(
   if "tokens" in values:  # tokens the loss covers: the real ones (SFT: the completions; DPO: the responses)
     row["trained_tokens"] = values["tokens"]
   row.update({k: values[k] for k in (*REWARD_METRICS, "pairs") if k in values})
+  row.update({k: v for k, v in values.items() if k.startswith(GRPO_METRIC_PREFIXES)})
   row.update({k: values[k] for k in ("moe_lb_loss", "moe_dropped_fraction") if k in values})
   row.update({k: v for k, v in values.items() if "/member_" in k})  # an ensemble's one series per member
   if config.peak_tflops_per_device > 0:

@@ -54,6 +54,12 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Confi
   return new_state(model, tx, config, variables["params"])
 
 
+def keeps_reference(config: Config) -> bool:
+  """Whether the state holds a frozen copy of the starting parameters: DPO's reference, or GRPO's for its KL penalty
+  (none with grpo_beta=0, as TRL loads no reference model then). Under LoRA the frozen base is the reference."""
+  return not config.enable_lora and (config.use_dpo or (config.use_grpo and config.grpo_beta > 0))
+
+
 def model_params(state: TrainState) -> Any:
   """The parameters the model is applied with: with LoRA the frozen base and the adapters joined."""
   return state.params if state.frozen is None else lora.merge(state.frozen, state.params)
@@ -68,7 +74,8 @@ def new_state(model: nn.Module, tx: optax.GradientTransformation, config: Config
     adapters, frozen = lora.split(params)
     state = TrainState.create(apply_fn=model.apply, params=adapters, tx=tx, frozen=frozen)
   else:
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, reference=params if config.use_dpo else None)
+    reference = params if keeps_reference(config) else None
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, reference=reference)
   return state.replace(step=jnp.zeros((), jnp.int32))
 
 

@@ -14,7 +14,7 @@ from MaxLite.config.families import family
 from MaxLite.layers import lora
 from MaxLite.models.transformer import logits_dtype
 from MaxLite.parallel.sharding import on_device
-from MaxLite.training import dpo, loss
+from MaxLite.training import dpo, grpo, loss
 from MaxLite.training.optimizer import create_optimizer, learning_rate_schedule
 from MaxLite.training.train_state import TrainState
 
@@ -29,6 +29,10 @@ def batch_loss_sums(
   sums["loss_sum"]) is what the gradient is taken of; sums["count"] is what it is a sum over."""
   if config.use_dpo:
     return _dpo_loss_sums(params, reference, apply_fn, batch, rng, config)
+  if config.use_grpo:
+    logits, _ = forward(params, apply_fn, batch, rng)
+    sums = grpo.loss_sums(logits, batch, config)
+    return sums["loss_sum"], sums
   tiled, sliced = config.num_vocab_tiling > 1, config.vocab_slices > 1
   out, extra = forward(params, apply_fn, batch, rng, return_hidden=tiled or sliced)
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
@@ -150,6 +154,8 @@ def train_step(
   }
   if config.use_dpo:
     metrics.update({k: aux[k] / count for k in dpo.REWARD_METRICS}, pairs=aux["pairs"])
+  elif config.use_grpo:  # per completion token, as TRL logs them
+    metrics.update({k: aux[k] / jnp.maximum(aux["tokens"], 1.0) for k in grpo.TOKEN_METRICS if k in aux})
   else:
     metrics["z_loss"] = aux["z_sum"] / count
   if "moe_lb_sum" in aux:

@@ -24,14 +24,15 @@ from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
-from MaxLite.training import builder, ensemble, lora_training
+from MaxLite.training import builder, ensemble, grpo_run, lora_training
 from MaxLite.training.checkpointer import NoCheckpointer, make_checkpointer, resume_hint
-from MaxLite.training.evaluation import make_evaluator
+from MaxLite.training.evaluation import NoEvaluator, make_evaluator
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.profiler import Profiler
 from MaxLite.training.train_state import (
   bytes_per_device,
   create_train_state,
+  keeps_reference,
   reference_from_params,
   state_from_params,
 )
@@ -68,9 +69,9 @@ def initial_state(
     return state, step
   if config.load_full_state_path:
     state = checkpointing.load_full_state(config.load_full_state_path, target)
-    if config.use_dpo and state.reference is None:
+    if keeps_reference(config) and state.reference is None:
       state = reference_from_params(state, shardings)
-      logging.info("the loaded state has no DPO reference: its parameters are the frozen reference")
+      logging.info("the loaded state has no reference: its parameters are the frozen reference")
     logging.info("loaded full state at step %d from %s", int(state.step), config.load_full_state_path)
     return state, int(state.step)
   if config.load_parameters_path:
@@ -111,7 +112,10 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
   if config.debug_sharding and jax.process_index() == 0:
     _print_sharding_report(pieces)
   with contextlib.ExitStack() as stack:  # closed in reverse: the last save is waited for before the input stops
-    batches = stack.enter_context(contextlib.closing(input_pipeline.make_iterator(config, mesh, "train")))
+    # GRPO samples its batches from prompts with the policy itself; `batches` is then the prompt stream.
+    rl = grpo_run.GrpoSteps(config, mesh, pieces) if config.use_grpo else None
+    batches = rl.batches if rl else input_pipeline.make_iterator(config, mesh, "train")
+    stack.enter_context(contextlib.closing(batches))
     # The lock makes the run directory: only now that the tokenizer and data files have been checked, so a run
     # that fails those checks leaves nothing behind. Released after the last save (the stack closes in reverse).
     if lock is not None:
@@ -122,16 +126,20 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
     if start_step >= config.steps:
       _say(_nothing_to_do(config, start_step))
       return []
-    evaluator = stack.enter_context(make_evaluator(config, mesh, pieces.shardings, pieces.batch_sharding))
+    if rl:
+      evaluator = stack.enter_context(grpo_run.make_evaluator(config, mesh, pieces) or NoEvaluator())
+    else:
+      evaluator = stack.enter_context(make_evaluator(config, mesh, pieces.shardings, pieces.batch_sharding))
     log = stack.enter_context(StepLog(config, guard, resumed_at=start_step))
+    if rl and start_step == 0:
+      evaluator.maybe_eval(0, state, log)  # where GRPO starts from: the rewards it is to raise
     profiler = stack.enter_context(Profiler(config))
     step = start_step
     for step in range(start_step + 1, config.steps + 1):
       profiler.before_step(step)
-      batch = next(batches)
       # The first call compiles the step (silent for tens of seconds, minutes for a large model): say so.
       with ticker.ticking("compiling the train step", enabled=step == start_step + 1 and jax.process_index() == 0):
-        state, metrics = pieces.step(state, batch)
+        state, metrics = rl(state, step) if rl else pieces.step(state, next(batches))
       checkpointer.check()  # a background save that failed stops the run now, naming its step
       log.record(step, metrics)
       if checkpointer.maybe_save(step, state, batches, log):

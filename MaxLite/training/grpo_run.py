@@ -1,0 +1,286 @@
+"""One GRPO step, on the training mesh: sample num_generations completions of each prompt with the policy (the
+KV-cache sampler, models/sampling.py), score them with the reward functions, turn the scores into group-relative
+advantages, and make num_iterations updates on that batch (the loss is training/grpo.py's, inside the jitted train
+step). Evaluation decodes held-out prompts greedily and reports the mean reward of each function.
+
+A step's randomness is fold_in(seed, step): the same step samples the same completions, so a resumed run equals
+the uninterrupted one bit for bit. The prompt stream's position is what checkpoints save (data/prompts.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxLite import storage
+from MaxLite.cli.errors import InputError
+from MaxLite.config import Config
+from MaxLite.data.chat import ChatTemplate
+from MaxLite.data.prompts import PromptRecords
+from MaxLite.data.tokenizer import continuation_text, load_tokenizer
+from MaxLite.models import build, sampling
+from MaxLite.parallel import sharding as sharding_lib
+from MaxLite.training import grpo, rewards
+from MaxLite.training.metrics import StepLog
+from MaxLite.training.train_state import model_params
+
+# The rollout's stream of random numbers: fold_in(fold_in(seed, step), ROLLOUT_STREAM), apart from the step's dropout.
+ROLLOUT_STREAM = 1
+
+
+def _rows_sharding(mesh: jax.sharding.Mesh, config: Config, rank: int) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec(tuple(config.batch_mesh_axes), *([None] * (rank - 1))))
+
+
+def _place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array every process holds whole, as a global array: each device takes its own slice (multi-process too)."""
+  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+class Prompter:
+  """Prompt text -> the ids the model reads: BOS + the prompt, or with use_chat_template a user turn with the
+  assistant's turn opened (what SFT trained on either way)."""
+
+  def __init__(self, config: Config, what: str):
+    self.tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)
+    self._template = (
+      ChatTemplate.load(storage.resolve(config.tokenizer_path), config.chat_template_path)
+      if config.use_chat_template
+      else None
+    )
+    bos = self.tokenizer.bos_id
+    self._head = [bos] if config.add_bos and bos >= 0 and self._template is None else []
+    self._limit, self._what = config.max_prefill_predict_length, what
+
+  def ids(self, prompt: str, index: int) -> list[int]:
+    if self._template is not None:
+      ids = self.tokenizer.encode(
+        self._template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+      )
+    else:
+      ids = self._head + self.tokenizer.encode(prompt)
+    if len(ids) > self._limit:
+      raise InputError(
+        f"{self._what} record {index}: its prompt is {len(ids)} tokens, longer than max_prefill_predict_length="
+        f"{self._limit} (raise it, keeping max_prefill_predict_length + max_decode_steps <= max_target_length)"
+      )
+    return ids
+
+
+def training_rows(prompts: list[list[int]], completions: np.ndarray, eos_id: int, length: int) -> dict[str, np.ndarray]:
+  """The train step's batch [rows, length] from each row's prompt ids and sampled tokens [rows, steps]: the prompt
+  then the completion up to and including its end-of-sequence token, targets_segmentation 1 on the positions whose
+  target is a completion token. Also "completion_lengths" [rows]."""
+  rows = len(prompts)
+  batch = {k: np.zeros((rows, length), np.int32) for k in ("inputs", "targets", "inputs_segmentation")}
+  batch["targets_segmentation"] = np.zeros((rows, length), np.int32)
+  batch["inputs_position"] = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
+  lengths = np.zeros(rows, np.int32)
+  for r, (prompt, sampled) in enumerate(zip(prompts, completions)):
+    ended = np.flatnonzero(sampled == eos_id) if eos_id >= 0 else []
+    n = int(ended[0]) + 1 if len(ended) else len(sampled)
+    sequence = np.concatenate([np.asarray(prompt, np.int32), sampled[:n]])
+    batch["inputs"][r, : len(sequence)] = sequence
+    batch["inputs_segmentation"][r, : len(sequence)] = 1
+    batch["targets"][r, : len(sequence) - 1] = sequence[1:]
+    batch["targets_segmentation"][r, len(prompt) - 1 : len(prompt) - 1 + n] = 1
+    lengths[r] = n
+  batch["completion_lengths"] = lengths
+  return batch
+
+
+class GrpoSteps:
+  """The loop's step for use_grpo: `(state, step) -> (state, metrics)`. `batches` is the prompt stream a checkpoint
+  saves with the step."""
+
+  def __init__(self, config: Config, mesh: jax.sharding.Mesh, pieces: Any):
+    self._config, self._mesh, self._pieces = config, mesh, pieces
+    self._prompter = Prompter(config, "grain_train_files")
+    self.tokenizer = self._prompter.tokenizer
+    self._functions = rewards.load(config.reward_functions)
+    self._names = rewards.names(config.reward_functions)
+    self._weights = list(config.reward_weights) or [1.0] * len(self._functions)
+    self._rows = config.global_batch_size_to_train_on
+    self.batches = PromptRecords(config, "train", self._rows // config.num_generations)
+    param_shardings = model_params(pieces.device_shardings)
+    self._row_shardings = (_rows_sharding(mesh, config, 2), _rows_sharding(mesh, config, 1))
+    replicated = sharding_lib.replicated(mesh)
+    self._rollout = rollout_function(config, self.tokenizer.eos_id, param_shardings, self._row_shardings, replicated)
+    self._score = jax.jit(
+      lambda params, reference, batch: grpo_scores(config, params, reference, batch),
+      in_shardings=(param_shardings, _reference_shardings(pieces.device_shardings), pieces.batch_sharding),
+      out_shardings=pieces.batch_sharding,
+    )
+
+  def __call__(self, state: Any, step: int) -> tuple[Any, dict[str, Any]]:
+    config, g = self._config, self._config.num_generations
+    records = next(self.batches)
+    prompt_ids = [self._prompter.ids(r[self.batches.prompt_column], r["_index"]) for r in records]
+    prompt_ids = [ids for ids in prompt_ids for _ in range(g)]  # each prompt's group, adjacent
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), step), ROLLOUT_STREAM)
+    started = time.perf_counter()
+    completions = sample(self._rollout, model_params(state), prompt_ids, rng, config, self._row_shardings)
+    rollout_seconds = time.perf_counter() - started
+    rows = training_rows(prompt_ids, completions, self.tokenizer.eos_id, config.max_target_length)
+    lengths = rows.pop("completion_lengths")
+    texts = completion_texts(self.tokenizer, prompt_ids, completions, lengths)
+    prompts = [r[self.batches.prompt_column] for r in records for _ in range(g)]
+    columns = {c: [r[c] for r in records for _ in range(g)] for c in records[0] if c not in ("_index",)}
+    columns.pop(self.batches.prompt_column)
+    scores = rewards.score(self._functions, prompts, texts, columns)
+    advantages = grpo.group_advantages(scores, self._weights, g)
+    rows["advantages"] = np.repeat(advantages[:, None], config.max_target_length, axis=1)
+    batch = {k: _place(v, self._pieces.batch_sharding) for k, v in rows.items()}
+    reference = state.frozen if state.frozen is not None else state.reference
+    batch = self._score(model_params(state), reference, batch)
+    per_iteration = []
+    for _ in range(config.num_iterations):
+      state, metrics = self._pieces.step(state, batch)
+      per_iteration.append(metrics)
+    metrics = jax.tree.map(lambda *values: sum(values) / len(values), *per_iteration)
+    return state, metrics | reward_metrics(self._names, scores, self._weights, g) | {
+      "completions/mean_length": float(np.mean(lengths)),
+      "completions/clipped_ratio": float(np.mean(lengths == config.max_decode_steps)),
+      "rollout_tokens_per_sec": float(np.sum(lengths) / max(rollout_seconds, 1e-9)),
+    }
+
+
+def rollout_function(config: Config, eos_id: int, param_shardings: Any, rows: tuple, out: Any, greedy: bool = False):
+  """The jitted sampler with the config's length, temperature, top-k and top-p, on the training mesh."""
+  rollout = sampling.make_rollout(
+    build.model(config, decode=True),
+    steps=config.max_decode_steps,
+    eos_id=eos_id,
+    temperature=config.decode_sampling_temperature,
+    top_k=config.decode_sampling_top_k,
+    top_p=config.decode_sampling_nucleus_p,
+    greedy=greedy,
+    in_shardings=(param_shardings, rows[0], rows[1], None),
+    out_shardings=out,
+  )
+  return sharding_lib.traced_under(sharding_lib.decode_axis_rules(config), rollout)
+
+
+def sample(rollout: Any, params: Any, prompt_ids: list[list[int]], rng: Any, config: Config, rows: tuple) -> np.ndarray:
+  """Sampled tokens [rows, max_decode_steps] of every prompt, on the host."""
+  ids = np.zeros((len(prompt_ids), config.max_prefill_predict_length), np.int32)
+  for r, prompt in enumerate(prompt_ids):
+    ids[r, : len(prompt)] = prompt
+  lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
+  return np.asarray(rollout(params, _place(ids, rows[0]), _place(lengths, rows[1]), rng))
+
+
+def completion_texts(
+  tokenizer: Any, prompts: list[list[int]], completions: np.ndarray, lengths: np.ndarray
+) -> list[str]:
+  """Each completion's text, without its end-of-sequence token: what the reward functions read."""
+  eos = tokenizer.eos_id
+  texts = []
+  for prompt, sampled, n in zip(prompts, completions, lengths):
+    new = [int(t) for t in sampled[:n] if t != eos and t < tokenizer.vocab_size]
+    texts.append(continuation_text(tokenizer, prompt, new))
+  return texts
+
+
+def reward_metrics(names: list[str], scores: np.ndarray, weights: list[float], g: int) -> dict[str, float]:
+  """TRL's reward metrics: each function's mean and std over the completions it scored, the weighted total's mean,
+  its mean standard deviation within groups, and the fraction of groups whose rewards are all equal (they teach
+  nothing: their advantages are 0)."""
+  out = {}
+  for name, column in zip(names, scores.T):
+    scored = column[~np.isnan(column)]
+    out[f"rewards/{name}/mean"] = float(np.mean(scored)) if len(scored) else float("nan")
+    out[f"rewards/{name}/std"] = float(np.std(scored, ddof=1)) if len(scored) > 1 else 0.0
+  total = np.nansum(scores * np.asarray(weights, np.float32)[None, :], axis=1).reshape(-1, g)
+  group_std = np.std(total, axis=1, ddof=1)
+  return out | {
+    "reward": float(np.mean(total)),
+    "reward_std": float(np.mean(group_std)),
+    "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+  }
+
+
+def _reference_shardings(shardings: Any) -> Any:
+  """Where the reference lives: LoRA's frozen base, or the state's own reference (None when grpo_beta is 0)."""
+  return shardings.frozen if shardings.frozen is not None else shardings.reference
+
+
+def grpo_scores(config: Config, params: Any, reference: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The batch with the log-probabilities the loss holds fixed over a step's iterations: the sampling policy's
+  ("old_log_probs", with num_iterations > 1) and the reference's ("ref_log_probs", with grpo_beta > 0). Both are
+  deterministic forward passes (no dropout), as TRL's are."""
+  batch = dict(batch)
+  if config.num_iterations > 1:
+    batch["old_log_probs"] = _log_probs(build.model(config), params, batch, config)
+  if config.grpo_beta > 0:
+    batch["ref_log_probs"] = _log_probs(build.model(config, adapters=False), reference, batch, config)
+  return batch
+
+
+def _log_probs(model: Any, params: Any, batch: dict[str, jax.Array], config: Config) -> jax.Array:
+  logits = model.apply(
+    {"params": jax.lax.stop_gradient(params)}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
+  )
+  return grpo.completion_log_probs(logits, batch["targets"], config.decode_sampling_temperature)
+
+
+class GrpoEvaluator:
+  """Every eval_interval steps (and before the first step of a fresh run): greedy completions of the first
+  eval_steps batches of eval prompts, and each reward function's mean over them."""
+
+  def __init__(self, config: Config, mesh: jax.sharding.Mesh, pieces: Any):
+    self._config = config
+    self._prompter = Prompter(config, "grain_eval_files")
+    self._functions = rewards.load(config.reward_functions)
+    self._names = rewards.names(config.reward_functions)
+    self._weights = list(config.reward_weights) or [1.0] * len(self._functions)
+    self._rows = (_rows_sharding(mesh, config, 2), _rows_sharding(mesh, config, 1))
+    self._batches = PromptRecords(config, "eval", config.global_batch_size_to_train_on)
+    shardings = model_params(pieces.device_shardings)
+    replicated = sharding_lib.replicated(mesh)
+    eos = self._prompter.tokenizer.eos_id
+    self._rollout = rollout_function(config, eos, shardings, self._rows, replicated, greedy=True)
+
+  def evaluate(self, params: Any) -> dict[str, float]:
+    self._batches.rewind()
+    all_scores = []
+    for _ in range(self._config.eval_steps):
+      records = next(self._batches)
+      prompt_ids = [self._prompter.ids(r[self._batches.prompt_column], r["_index"]) for r in records]
+      completions = sample(self._rollout, params, prompt_ids, jax.random.key(0), self._config, self._rows)
+      eos = self._prompter.tokenizer.eos_id
+      ended = [np.flatnonzero(c == eos) for c in completions]
+      lengths = np.asarray([int(e[0]) + 1 if len(e) else len(c) for e, c in zip(ended, completions)])
+      texts = completion_texts(self._prompter.tokenizer, prompt_ids, completions, lengths)
+      columns = {c: [r[c] for r in records] for c in records[0] if c not in ("_index", self._batches.prompt_column)}
+      prompts = [r[self._batches.prompt_column] for r in records]
+      all_scores.append(rewards.score(self._functions, prompts, texts, columns))
+    scores = np.concatenate(all_scores)
+    with np.errstate(invalid="ignore"):
+      means = {f"eval_rewards/{n}/mean": float(np.nanmean(col)) for n, col in zip(self._names, scores.T)}
+    total = np.nansum(scores * np.asarray(self._weights, np.float32)[None, :], axis=1)
+    return means | {"eval_reward": float(np.mean(total))}
+
+  def maybe_eval(self, step: int, state: Any, log: StepLog) -> None:
+    if step % self._config.eval_interval != 0:
+      return
+    log.flush()
+    log.record_eval(step, self.evaluate(model_params(state)))
+
+  def __enter__(self) -> GrpoEvaluator:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    pass
+
+
+def make_evaluator(config: Config, mesh: jax.sharding.Mesh, pieces: Any) -> Any:
+  if config.eval_interval > 0 and config.grain_eval_files:
+    return GrpoEvaluator(config, mesh, pieces)
+  logging.info("GRPO: no evaluation (eval_interval <= 0 or no grain_eval_files)")
+  return None
