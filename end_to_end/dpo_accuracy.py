@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train_runs import train
+
 CHAT = (
   "tokenizer_type=huggingface",
   "tokenizer_path=assets/tokenizer/chat",
@@ -35,20 +35,6 @@ CHAT = (
 EVAL_STEPS = 7  # batches of 8 rows, one pair each: 56 of the 60 pairs
 
 
-def _train(workdir: str, run_name: str, *overrides: str) -> list[dict]:
-  command = [sys.executable, "MaxLite/train.py", "configs/base.yml", *CHAT, f"base_output_directory={workdir}"]
-  command += [f"run_name={run_name}", *overrides]
-  print("$", " ".join(command[1:]), flush=True)
-  log = os.path.join(workdir, f"{run_name}.log")
-  with open(log, "w", encoding="utf-8") as out:
-    code = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
-  if code != 0:
-    with open(log, encoding="utf-8") as f:
-      sys.exit(f"{run_name} exited with {code}; last lines of {log}:\n" + "".join(f.readlines()[-20:]))
-  with open(os.path.join(workdir, run_name, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
-
-
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", default=None)
@@ -57,9 +43,10 @@ def main() -> int:
   args = parser.parse_args()
   workdir = args.workdir or tempfile.mkdtemp(prefix="dpo_accuracy_")
   os.makedirs(workdir, exist_ok=True)
-  sft = _train(
+  sft = train(
     workdir,
     "sft",
+    *CHAT,
     "use_sft=true",
     "sft_train_on_completion_only=true",
     "grain_train_files=assets/post_training/chats-train.jsonl",
@@ -71,9 +58,10 @@ def main() -> int:
     f"checkpoint_period={args.sft_steps}",
   )
   print(json.dumps({"sft_eval_loss": [r["eval_loss"] for r in sft if "eval_loss" in r][-1]}))
-  dpo = _train(
+  dpo = train(
     workdir,
     "dpo",
+    *CHAT,
     "use_dpo=true",
     f"load_parameters_path={workdir}/sft/checkpoints/{args.sft_steps}",
     "grain_train_files=assets/post_training/preferences-train.jsonl",

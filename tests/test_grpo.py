@@ -217,6 +217,7 @@ def test_maxtext_rl_spellings_set_the_same_keys(tmp_path):
     (("max_prefill_predict_length=60", "max_decode_steps=12", "max_target_length=64"), "exceeds max_target_length"),
     (("rl.use_agentic_rollout=true",), "MaxText key that MaxLite does not implement"),
     (("ensemble_size=2",), "GRPO is not supported for ensembles"),
+    (("grain_train_files=my_prompts.jsonl", "grain_file_type=jsonl"), "needs reward_functions"),
   ],
 )
 def test_bad_grpo_settings_are_one_line(overrides, fragment):

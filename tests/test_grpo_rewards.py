@@ -33,8 +33,8 @@ def test_shipped_files_are_what_the_module_builds():
     assert text == arithmetic.to_jsonl(records), f"{name} drifted: rerun python -m MaxLite.data.arithmetic"
     assert len(text.encode()) < 300_000
   train, held_out = built[arithmetic.TRAIN_FILE], built[arithmetic.EVAL_FILE]
-  assert (len(train), len(held_out)) == (2000, 200)
-  assert train == problems(2000, seed=0)
+  assert (len(train), len(held_out)) == (420, 200)
+  assert train == problems(420, seed=0)
   assert all(set(r) == {"prompt", "completion", "answer"} for r in train + held_out)
 
 
@@ -43,8 +43,8 @@ def test_train_and_eval_share_no_problem_and_no_prompt_repeats():
   train, held_out = built[arithmetic.TRAIN_FILE], built[arithmetic.EVAL_FILE]
   train_keys = {problem_key(r["prompt"]) for r in train}
   eval_keys = {problem_key(r["prompt"]) for r in held_out}
-  assert len(train_keys) == 2000 and len(eval_keys) == 200 and not train_keys & eval_keys
-  assert len({r["prompt"] for r in train + held_out}) == 2200
+  assert len(train_keys) == 420 and len(eval_keys) == 200 and not train_keys & eval_keys
+  assert len({r["prompt"] for r in train + held_out}) == 620
   # Every problem the templates can ask reads back as its own key, so the disjointness above is real.
   for key in arithmetic.all_keys():
     assert problem_key(arithmetic.record(key, "Ana", "Ben", ("apple", "apples"))["prompt"]) == key

@@ -90,9 +90,13 @@ def _derive_grpo(c: dict[str, Any]) -> dict[str, Any]:
     out.update(grain_train_files=GRPO_SHIPPED_TRAIN, grain_file_type="jsonl")
     if "grain_eval_files" not in explicit:
       out["grain_eval_files"] = GRPO_SHIPPED_EVAL
-    default_columns = ["prompt", "answer"]
-  else:
-    default_columns = ["prompt"]
+  shipped = out.get("grain_train_files", c["grain_train_files"]) == GRPO_SHIPPED_TRAIN
+  if not shipped and "reward_functions" not in explicit:
+    raise ConfigError(
+      "use_grpo=true on your own prompts (grain_train_files) needs reward_functions (module:function entries): "
+      "the default ones score the shipped arithmetic problems"
+    )
+  default_columns = ["prompt", "answer"] if shipped else ["prompt"]
   train = list(c["train_data_columns"]) or default_columns
   out.update(train_data_columns=train, eval_data_columns=list(c["eval_data_columns"]) or train)
   if c["use_chat_template"] and c["tokenizer_type"] != "huggingface":

@@ -1,7 +1,7 @@
 """A verifiable task for GRPO that the tiny CPU models can partly learn: one-step addition and subtraction word
 problems, with reward functions that check the answer (TRL's reward-function convention).
 
-A problem is a sentence template and two operands (1..20; a subtraction never goes below 0). The prompt asks the
+A problem is a sentence template and two operands (1..10; a subtraction never goes below 0). The prompt asks the
 question and ends with "Answer:"; the completion restates the equation and ends with "The answer is N.":
 
   prompt      "Question: Ana has 7 apples and buys 5 more. How many apples does Ana have?\\nAnswer:"
@@ -14,7 +14,7 @@ the shipped files can be rebuilt byte for byte and a test checks that they are. 
 (template, operands) problem with the train set: `problem_key` recovers that key from a prompt.
 
 Usage:   python -m MaxLite.data.arithmetic [--out assets/grpo]
-Writes OUT/arithmetic-train.jsonl (2000 records, seed 0) and OUT/arithmetic-eval.jsonl (200 held-out records, seed 1).
+Writes OUT/arithmetic-train.jsonl (420 records, seed 0) and OUT/arithmetic-eval.jsonl (200 held-out records, seed 1).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 TRAIN_FILE, EVAL_FILE = "arithmetic-train.jsonl", "arithmetic-eval.jsonl"
-TRAIN_COUNT, EVAL_COUNT = 2000, 200
+TRAIN_COUNT, EVAL_COUNT = 420, 200
 TRAIN_SEED, EVAL_SEED = 0, 1
-LOW, HIGH = 1, 20  # operands, both ends included
+LOW, HIGH = 1, 10  # operands, both ends included: sums a 4-layer model can learn in a short SFT
 
 NAMES = ("Ana", "Ben", "Dana", "Eli", "Hugo", "Ivy", "Kai", "Leo", "Maya", "Nora", "Omar", "Sam", "Tom", "Zoe")
 # (singular, plural): an operand of 1 reads "1 apple"

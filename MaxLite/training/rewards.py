@@ -74,19 +74,15 @@ def _module_from_file(entry: str, path: str) -> types.ModuleType:
 def _module(entry: str, where: str) -> types.ModuleType:
   if _is_file(where):
     return _module_from_file(entry, where)
-  # `python MaxLite/train.py` puts MaxLite/ on sys.path, not the working directory: a module there (my_rewards.py
-  # for 'my_rewards:fn') is found as `python -m` would find it, after everything installed.
-  cwd = os.getcwd()
-  added = cwd not in sys.path
-  if added:
-    sys.path.append(cwd)
   try:
     return importlib.import_module(where)
   except Exception as e:
+    # `python MaxLite/train.py` puts MaxLite/ on sys.path, not the working directory: a module there (my_rewards.py
+    # for 'my_rewards:fn') is loaded from its file, as `python -m` would find it, after everything installed.
+    local = os.path.join(os.getcwd(), *where.split(".")) + ".py"
+    if isinstance(e, ModuleNotFoundError) and e.name == where.split(".")[0] and os.path.isfile(local):
+      return _module_from_file(entry, local)
     raise ConfigError(f"{KEY}: {entry!r} does not import ({first_line(e, with_type=True)})") from None
-  finally:
-    if added:
-      sys.path.remove(cwd)
 
 
 def _public_callables(module: types.ModuleType) -> str:
