@@ -235,3 +235,13 @@ def test_a_reward_that_does_not_import_and_a_prompt_longer_than_the_cache_are_on
   with pytest.raises(InputError) as e:
     train(make_config(*common, "max_prefill_predict_length=8"), first_devices(1))
   assert "longer than max_prefill_predict_length=8" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_train_compile_lowers_the_grpo_update_step():
+  """AOT compilation (train_compile.py) gets the GRPO batch: the token arrays, the advantages, the sampling policy's
+  and the reference's log-probabilities."""
+  from MaxLite.aot.compile_step import lower_train_step
+
+  config = make_config(*COMMON, "num_iterations=2", "grpo_beta=0.04")
+  lowered, _ = lower_train_step(config, first_devices(1))
+  assert "old_log_probs" in str(lowered.args_info) and "ref_log_probs" in str(lowered.args_info)

@@ -114,6 +114,16 @@ def entropy(logits: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.exp(log_q) * log_q, axis=-1)
 
 
+def batch_keys(config: Any) -> tuple[str, ...]:
+  """The float32 [rows, positions] arrays a GRPO batch holds beside the token arrays (training/grpo_run.py makes
+  them): the advantages, and as the config needs them the sampling policy's and the reference's log-probabilities."""
+  return (
+    "advantages",
+    *(("old_log_probs",) if config.num_iterations > 1 else ()),
+    *(("ref_log_probs",) if config.grpo_beta > 0 else ()),
+  )
+
+
 def completion_log_probs(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
   """log pi(target) at every position [rows, positions], in float32, of the distribution the completions were sampled
   from: the logits over the sampling temperature, as TRL scores them."""

@@ -43,8 +43,9 @@ class PreemptionWatcher:
   def _on_sigint(self, signum: int, frame: Any) -> None:
     del signum, frame
     self._signalled = self.interrupted = True
-    signal.signal(signal.SIGINT, self._previous_sigint)  # a second Ctrl-C: KeyboardInterrupt, at once
-    self._previous_sigint = None
+    # A second Ctrl-C: KeyboardInterrupt, at once, whatever handler the process had before (a host program's, or one a
+    # watcher that was never closed left behind); closing the watcher puts that one back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(
       "\nCtrl-C: saving a checkpoint when this step ends, then stopping (Ctrl-C again stops at once, unsaved)",
       file=sys.stderr,
