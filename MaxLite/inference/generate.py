@@ -44,25 +44,6 @@ def sample(logits: jax.Array, rng: jax.Array, config: Any) -> jax.Array:
   return jax.random.categorical(rng, logits, axis=-1)
 
 
-def _prefill(params: Any, ids: jax.Array, lengths: jax.Array, *, model: Any) -> tuple[jax.Array, Any]:
-  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-  segments = (positions < lengths[:, None]).astype(jnp.int32)
-  logits, variables = model.apply({"params": params}, ids, positions, segments, mutable=["cache"])
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return last, variables["cache"]
-
-
-def _step(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *, model: Any) -> tuple[jax.Array, Any]:
-  logits, variables = model.apply(
-    {"params": params, "cache": cache},
-    tokens[:, None],
-    positions[:, None],
-    jnp.ones_like(tokens)[:, None],
-    mutable=["cache"],
-  )
-  return logits[:, 0], variables["cache"]
-
-
 def check_cache_fits(config: Any) -> None:
   """The prompt and the new tokens must fit the KV cache, whose length is max_target_length."""
   if config.max_prefill_predict_length + config.max_decode_steps > config.max_target_length:
@@ -102,9 +83,9 @@ def generate(
     ids[row, : len(prompt)] = prompt
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
   model = build.model(config, decode=True, stored=False)  # LoRA's adapters come merged into the weights
-  prefill = jax.jit(functools.partial(_prefill, model=model))
+  prefill = jax.jit(functools.partial(sampling.prefill, model=model))
   rules = sharding.decode_axis_rules(config)
-  step = sharding.traced_under(rules, jax.jit(functools.partial(_step, model=model), donate_argnums=1))
+  step = sharding.traced_under(rules, jax.jit(functools.partial(sampling.decode_step, model=model), donate_argnums=1))
   logits, cache = sharding.traced_under(rules, prefill)(params, jnp.asarray(ids), lengths)
   rng = jax.random.key(config.decode_seed)
   outputs: list[list[int]] = [[] for _ in prompts]

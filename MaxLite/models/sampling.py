@@ -41,6 +41,30 @@ def sampling_logits(logits: jax.Array, temperature: float, top_k: int, top_p: fl
   return logits
 
 
+def prefill(params: Any, ids: jax.Array, lengths: jax.Array, *, model: Any) -> tuple[jax.Array, Any]:
+  """(each row's last-prompt-token logits [rows, vocab], the KV cache) of right-padded prompts [rows, width] of
+  `lengths` tokens, through a decode=True model."""
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+  segments = (positions < lengths[:, None]).astype(jnp.int32)
+  logits, variables = model.apply({"params": params}, ids, positions, segments, mutable=["cache"])
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return last, variables["cache"]
+
+
+def decode_step(
+  params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *, model: Any
+) -> tuple[jax.Array, Any]:
+  """(logits [rows, vocab] after one more token per row at its position, the updated cache)."""
+  logits, variables = model.apply(
+    {"params": params, "cache": cache},
+    tokens[:, None],
+    positions[:, None],
+    jnp.ones_like(tokens)[:, None],
+    mutable=["cache"],
+  )
+  return logits[:, 0], variables["cache"]
+
+
 def _rollout(
   params: Any,
   prompts: jax.Array,
@@ -55,11 +79,8 @@ def _rollout(
   top_p: float,
   greedy: bool,
 ) -> jax.Array:
-  rows, width = prompts.shape
-  positions = jnp.broadcast_to(jnp.arange(width), prompts.shape)
-  segments = (positions < lengths[:, None]).astype(jnp.int32)
-  logits, variables = model.apply({"params": params}, prompts, positions, segments, mutable=["cache"])
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  rows = prompts.shape[0]
+  last, cache = prefill(params, prompts, lengths, model=model)
 
   def draw(i: jax.Array, logits: jax.Array) -> jax.Array:
     if greedy:
@@ -76,17 +97,11 @@ def _rollout(
     token = jnp.where(done, 0, draw(i, logits))  # rows that ended get padding, which the loss never reads
     tokens = tokens.at[:, i].set(token)
     done = done | (token == eos_id)
-    out, new = model.apply(
-      {"params": params, "cache": cache},
-      token[:, None],
-      (lengths + i)[:, None],
-      jnp.ones_like(token)[:, None],
-      mutable=["cache"],
-    )
-    return i + 1, tokens, out[:, 0], new["cache"], done
+    logits, cache = decode_step(params, cache, token, lengths + i, model=model)
+    return i + 1, tokens, logits, cache, done
 
   tokens = jnp.zeros((rows, steps), jnp.int32)
-  start = (jnp.int32(0), tokens, last, variables["cache"], jnp.zeros(rows, bool))
+  start = (jnp.int32(0), tokens, last, cache, jnp.zeros(rows, bool))
   return jax.lax.while_loop(running, next_token, start)[1]
 
 

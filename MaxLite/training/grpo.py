@@ -42,15 +42,19 @@ TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
 METRIC_PREFIXES = ("kl", "entropy", "clip_ratio/", "reward", "frac_reward", "completions/", "rollout_")
 
 
+def weighted_total(rewards: np.ndarray, weights: Sequence[float]) -> np.ndarray:
+  """Each completion's weighted sum of its rewards [completions, functions], unscored (NaN) ones left out."""
+  return np.nansum(np.asarray(rewards, np.float32) * np.asarray(weights, np.float32)[None, :], axis=1)
+
+
 def group_advantages(rewards: np.ndarray, weights: Sequence[float], num_generations: int) -> np.ndarray:
   """Advantages [completions] from rewards [completions, functions] (NaN: a function that returned None for that
   completion, left out as TRL's nansum does): the weighted sum, less its group's mean, over its group's unbiased
   standard deviation + ADVANTAGE_EPSILON. A completion no function scored gets advantage 0 and no part in its group's
   statistics."""
   rewards = np.asarray(rewards, np.float32)
-  unscored = np.isnan(rewards).all(axis=1)
-  total = np.nansum(rewards * np.asarray(weights, np.float32)[None, :], axis=1)
-  total[unscored] = np.nan
+  total = weighted_total(rewards, weights)
+  total[np.isnan(rewards).all(axis=1)] = np.nan
   grouped = total.reshape(-1, num_generations)
   with warnings.catch_warnings():  # an all-NaN group (no completion scored) is expected here
     warnings.simplefilter("ignore", RuntimeWarning)

@@ -72,6 +72,12 @@ class Prompter:
     return ids
 
 
+def completion_lengths(completions: np.ndarray, eos_id: int) -> np.ndarray:
+  """Each sampled row's length [rows]: up to and including its first end-of-sequence token, else all of it."""
+  ended = completions == eos_id if eos_id >= 0 else np.zeros(completions.shape, bool)
+  return np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
+
+
 def training_rows(prompts: list[list[int]], completions: np.ndarray, eos_id: int, length: int) -> dict[str, np.ndarray]:
   """The train step's batch [rows, length] from each row's prompt ids and sampled tokens [rows, steps]: the prompt
   then the completion up to and including its end-of-sequence token, targets_segmentation 1 on the positions whose
@@ -80,16 +86,13 @@ def training_rows(prompts: list[list[int]], completions: np.ndarray, eos_id: int
   batch = {k: np.zeros((rows, length), np.int32) for k in ("inputs", "targets", "inputs_segmentation")}
   batch["targets_segmentation"] = np.zeros((rows, length), np.int32)
   batch["inputs_position"] = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
-  lengths = np.zeros(rows, np.int32)
-  for r, (prompt, sampled) in enumerate(zip(prompts, completions)):
-    ended = np.flatnonzero(sampled == eos_id) if eos_id >= 0 else []
-    n = int(ended[0]) + 1 if len(ended) else len(sampled)
+  lengths = completion_lengths(completions, eos_id)
+  for r, (prompt, sampled, n) in enumerate(zip(prompts, completions, lengths)):
     sequence = np.concatenate([np.asarray(prompt, np.int32), sampled[:n]])
     batch["inputs"][r, : len(sequence)] = sequence
     batch["inputs_segmentation"][r, : len(sequence)] = 1
     batch["targets"][r, : len(sequence) - 1] = sequence[1:]
     batch["targets_segmentation"][r, len(prompt) - 1 : len(prompt) - 1 + n] = 1
-    lengths[r] = n
   batch["completion_lengths"] = lengths
   return batch
 
@@ -102,9 +105,7 @@ class GrpoSteps:
     self._config, self._mesh, self._pieces = config, mesh, pieces
     self._prompter = Prompter(config, "grain_train_files")
     self.tokenizer = self._prompter.tokenizer
-    self._functions = rewards.load(config.reward_functions)
-    self._names = rewards.names(config.reward_functions)
-    self._weights = list(config.reward_weights) or [1.0] * len(self._functions)
+    self._functions, self._names, self._weights = reward_setup(config)
     self._rows = config.global_batch_size_to_train_on
     self.batches = PromptRecords(config, "train", self._rows // config.num_generations)
     param_shardings = model_params(pieces.device_shardings)
@@ -148,6 +149,12 @@ class GrpoSteps:
       "completions/clipped_ratio": float(np.mean(lengths == config.max_decode_steps)),
       "rollout_tokens_per_sec": float(np.sum(lengths) / max(rollout_seconds, 1e-9)),
     }
+
+
+def reward_setup(config: Config) -> tuple[list[Any], list[str], list[float]]:
+  """The reward functions the config names, their metric names and their weights (1.0 each by default)."""
+  functions = rewards.load(config.reward_functions)
+  return functions, rewards.names(config.reward_functions), list(config.reward_weights) or [1.0] * len(functions)
 
 
 def rollout_function(config: Config, eos_id: int, param_shardings: Any, rows: tuple, out: Any, greedy: bool = False):
@@ -196,7 +203,7 @@ def reward_metrics(names: list[str], scores: np.ndarray, weights: list[float], g
     scored = column[~np.isnan(column)]
     out[f"rewards/{name}/mean"] = float(np.mean(scored)) if len(scored) else float("nan")
     out[f"rewards/{name}/std"] = float(np.std(scored, ddof=1)) if len(scored) > 1 else 0.0
-  total = np.nansum(scores * np.asarray(weights, np.float32)[None, :], axis=1).reshape(-1, g)
+  total = grpo.weighted_total(scores, weights).reshape(-1, g)
   group_std = np.std(total, axis=1, ddof=1)
   return out | {
     "reward": float(np.mean(total)),
@@ -236,9 +243,7 @@ class GrpoEvaluator:
   def __init__(self, config: Config, mesh: jax.sharding.Mesh, pieces: Any):
     self._config = config
     self._prompter = Prompter(config, "grain_eval_files")
-    self._functions = rewards.load(config.reward_functions)
-    self._names = rewards.names(config.reward_functions)
-    self._weights = list(config.reward_weights) or [1.0] * len(self._functions)
+    self._functions, self._names, self._weights = reward_setup(config)
     self._rows = (_rows_sharding(mesh, config, 2), _rows_sharding(mesh, config, 1))
     self._batches = PromptRecords(config, "eval", config.global_batch_size_to_train_on)
     shardings = model_params(pieces.device_shardings)
@@ -253,9 +258,7 @@ class GrpoEvaluator:
       records = next(self._batches)
       prompt_ids = [self._prompter.ids(r[self._batches.prompt_column], r["_index"]) for r in records]
       completions = sample(self._rollout, params, prompt_ids, jax.random.key(0), self._config, self._rows)
-      eos = self._prompter.tokenizer.eos_id
-      ended = [np.flatnonzero(c == eos) for c in completions]
-      lengths = np.asarray([int(e[0]) + 1 if len(e) else len(c) for e, c in zip(ended, completions)])
+      lengths = completion_lengths(completions, self._prompter.tokenizer.eos_id)
       texts = completion_texts(self._prompter.tokenizer, prompt_ids, completions, lengths)
       columns = {c: [r[c] for r in records] for c in records[0] if c not in ("_index", self._batches.prompt_column)}
       prompts = [r[self._batches.prompt_column] for r in records]
@@ -263,7 +266,7 @@ class GrpoEvaluator:
     scores = np.concatenate(all_scores)
     with np.errstate(invalid="ignore"):
       means = {f"eval_rewards/{n}/mean": float(np.nanmean(col)) for n, col in zip(self._names, scores.T)}
-    total = np.nansum(scores * np.asarray(self._weights, np.float32)[None, :], axis=1)
+    total = grpo.weighted_total(scores, self._weights)
     return means | {"eval_reward": float(np.mean(total))}
 
   def maybe_eval(self, step: int, state: Any, log: StepLog) -> None:
