@@ -2,6 +2,8 @@
 
   python end_to_end/benchmark.py [configs/bench.yml] [key=value ...]
 
+Its outputs (metrics, a profile with profiler=xplane) go to a temporary directory unless base_output_directory is set.
+
 MFU is measured against this machine's own dense-matmul peak, timed in the same process (a jitted
 2048x2048 matmul in the config's activation dtype), so the number means the same on a laptop and
 on an accelerator. Steps 1-3 (compile and warm-up) are left out of the median.
@@ -52,8 +54,12 @@ def matmul_peak_tflops(dtype: str, n: int = 2048, repeats: int = 10) -> float:
 def main(argv: list[str]) -> None:
   config_path = argv[0] if argv and "=" not in argv[0] else os.path.join(REPO, "configs", "bench.yml")
   overrides = [a for a in argv if "=" in a]
+  named = {a.split("=", 1)[0] for a in overrides}
   with tempfile.TemporaryDirectory() as out:
-    config = load_config([config_path, *overrides, f"base_output_directory={out}", "run_name=bench"])
+    # The run's files go to a temporary directory unless the command line names one (to keep a profile, say).
+    outputs = [] if "base_output_directory" in named else [f"base_output_directory={out}"]
+    outputs += [] if "run_name" in named else ["run_name=bench"]
+    config = load_config([config_path, *overrides, *outputs])
     if config.steps <= WARMUP_STEPS:
       raise SystemExit(f"error: steps={config.steps} must be > {WARMUP_STEPS} (the warm-up steps)")
     measure_start = time.perf_counter()

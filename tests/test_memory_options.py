@@ -529,3 +529,40 @@ def test_tpu_step_keeps_no_bfloat16_copy_of_the_stacked_layer_weights():
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert len(result["stacked"]) >= 4 and result["found"] == []
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-gemma3"])
+def test_weight_cast_convert_trains_bit_for_bit_like_in_loop_and_leaves_no_integer_cast(tmp_path, family):
+  """weight_cast picks how the layers' float32 weights reach bfloat16: both ways give the same bits (so the same
+  losses), and `convert` leaves no integer cast in the program (the operands cuBLAS can take as they are)."""
+  from flax.core import unbox
+
+  from MaxLite.models.transformer import Transformer
+
+  bf16 = ("dtype=bfloat16", "weight_dtype=float32", f"model_name={family}")
+  in_loop = _losses(tmp_path / "a", *bf16, "weight_cast=in_loop")
+  convert = _losses(tmp_path / "b", *bf16, "weight_cast=convert")
+  assert in_loop == convert
+
+  def program(mode):
+    config = make_config(*RUN, *bf16, f"weight_cast={mode}", "max_target_length=16")
+    ids = jnp.zeros((1, 16), jnp.int32)
+    model = Transformer(config)
+    params = unbox(model.init(jax.random.key(0), ids, ids, ids)["params"])
+    grad = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, ids, ids).astype(jnp.float32)))
+    return jax.jit(grad).lower(params).as_text()
+
+  assert "shift_right_logical" in program("in_loop")
+  assert "shift_right_logical" not in program("convert")
+
+
+@pytest.mark.parametrize(
+  "platform, resolved", [("gpu", "convert"), ("cuda", "convert"), ("tpu", "in_loop"), ("cpu", "in_loop")]
+)
+@pytest.mark.parametrize("mode", ["auto", "in_loop", "convert"])
+def test_weight_cast_auto_is_convert_on_gpu_only(platform, resolved, mode):
+  from MaxLite.config import loader
+
+  raw = loader.load_raw([os.path.join(REPO, "configs", "base.yml"), f"weight_cast={mode}"])
+  config = loader.build(raw, num_devices=1, num_slices=1, process_count=1, platform=platform)
+  assert config.weight_cast == (resolved if mode == "auto" else mode)

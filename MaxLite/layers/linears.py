@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -18,9 +19,22 @@ def _normalize(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
   return tuple(a % ndim for a in axes)
 
 
+_CAST_IN_LOOP = [True]  # the innermost weight_cast() being traced under; in_loop outside any
+
+
+@contextlib.contextmanager
+def weight_cast(mode: str) -> Iterator[None]:
+  """Trace the model's float32 -> bfloat16 weight casts as `mode` (the weight_cast key: in_loop or convert)."""
+  _CAST_IN_LOOP.append(mode != "convert")
+  try:
+    yield
+  finally:
+    _CAST_IN_LOOP.pop()
+
+
 def cast_weight(w: jax.Array, dtype: DType) -> jax.Array:
-  """w in `dtype`; float32 -> bfloat16 goes through _bfloat16_in_loop."""
-  if w.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
+  """w in `dtype`; float32 -> bfloat16 goes through _bfloat16_in_loop unless traced under weight_cast("convert")."""
+  if w.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16 and _CAST_IN_LOOP[-1]:
     return _bfloat16_in_loop(w)
   return jnp.asarray(w, dtype)
 

@@ -5,13 +5,18 @@
 #   bash end_to_end/gpu/bench_vs_maxtext.sh            (device tool: carry [".gpu_carry"], timeout_s 600)
 #
 # Rows: Llama 3.2 1B at 8x4096 and 3B at 4x4096 tokens per step; bf16 activations, float32 weights, remat full,
-# synthetic data, 20 steps. Writes $OUT (./gpu_out when unset):
-#   <row>-maxtext.log, <row>-maxlite.log, <row>-maxlite-profile.log   each tool's full output
-#   profiles/<row>-<system>/tensorboard/plugins/profile/*/*.xplane.pb  one traced step (step 5) of each
-#   runs.tsv (rc and seconds of each command), summary.txt, summary.json
-# MaxText traces step 5 inside its timed run (that step, the two after it and the last are left out of its median);
-# MaxLite's benchmark.py keeps no output directory, so MaxLite's trace is a separate 7-step MaxLite/train.py run, done
-# last (the shared JAX compilation cache spares it most of the compile).
+# synthetic data, 20 steps; then MaxLite alone on variants of them (weight_cast=in_loop, remat_policy=none, XLA's
+# Triton GEMMs off, fp8), in order of need: whatever the budget cannot fit is skipped and says so.
+# Writes $OUT (./gpu_out when unset):
+#   <name>.log          each command's full output (<row>-maxtext, <row>-maxlite, <row>-<variant>-maxlite)
+#   profiles/<name>/tensorboard/plugins/profile/*/*.xplane.pb  one traced step (step 5) of each row of each system,
+#                       inside its timed run (MaxText leaves that step and the two after out of its median; MaxLite's
+#                       median over 17 steps is the same with or without it)
+#   runs.tsv (rc and seconds of each command), summary.txt, summary.json, trace_top.txt (trace_top.py of each trace)
+# RESULTS=DIR also packs what the device tool can bring back (8 files at most) into DIR: summary.txt,
+# trace_top.txt, logs.tgz (all but the traces) and each trace gzipped:
+#   device tool: run(command="OUT_DIR=$OUT; OUT=/tmp/gpu_work RESULTS=$OUT_DIR bash end_to_end/gpu/bench_vs_maxtext.sh",
+#                    carry=[".gpu_carry"], timeout_s=600)
 # Every command runs under `timeout`, all within GPU_BENCH_BUDGET_S (540 s); a failed command does not stop the rest.
 #
 # GPU_BENCH_SMOKE=1: tiny shapes (2 layers, emb 256, vocab 32000, seq 256, batch 1, 12 steps) on whatever jax finds,
@@ -118,50 +123,78 @@ MAXTEXT_FIXED=(dataset_type=synthetic enable_checkpointing=false skip_jax_distri
 PROFILE_KEYS=(profiler=xplane skip_first_n_steps_for_profiler=5 profiler_steps=1)
 
 SUMMARY_ARGS=()
-PROFILE_RUNS=()
-for spec in "${ROWS[@]}"; do
-  read -r row batch seq <<< "$spec"
+TRACES=()
+# maxtext ROW CAP: MaxText's run of ROW, tracing step 5 inside its timed run.
+maxtext() {
+  local row=$1 batch=$2 seq=$3 cap=$4
+  local shp common
   read -r -a shp <<< "$(shape "$row")"
   common=(per_device_batch_size=$batch max_target_length=$seq dtype=bfloat16 weight_dtype=float32 remat_policy=full)
-  if [[ $SMOKE == 1 ]]; then
-    mlmodel=(model_name=${row/smoke/llama3.2} "${shp[@]}")
-  else
-    mlmodel=(model_name=$row)
-  fi
-  SUMMARY_ARGS+=("$row=$((batch * seq))")
-
-  run "$row-maxtext" 180 env PYTHONPATH="$CARRY/maxtext/src:$PYTHONPATH" bash -c 'cd "$0" && exec "$@"' \
+  run "$row-maxtext" "$cap" env PYTHONPATH="$CARRY/maxtext/src:$PYTHONPATH" bash -c 'cd "$0" && exec "$@"' \
     "$CARRY/maxtext" "$PY" -m maxtext.trainers.pre_train.train src/maxtext/configs/base.yml \
     run_name="$row-maxtext" base_output_directory="$OUT/profiles" steps=$STEPS "${common[@]}" "${shp[@]}" \
     "${LLAMA_KEYS[@]}" "${HW[@]}" "${MAXTEXT_FIXED[@]}" "${PROFILE_KEYS[@]}"
+  TRACES+=("$row-maxtext")
+}
+# maxlite ROW BATCH SEQ CAP NAME [PROFILE] [KEY=VALUE ...]: MaxLite's benchmark.py on ROW's shape, same settings as
+# MaxText's unless the extra keys say otherwise; PROFILE=1 traces step 5 inside the timed run (its median of 17
+# steps leaves the traced one out in effect).
+maxlite() {
+  local row=$1 batch=$2 seq=$3 cap=$4 name=$5 profile=$6
+  shift 6
+  local model shp
+  if [[ $SMOKE == 1 ]]; then
+    read -r -a shp <<< "$(shape "$row")"
+    model=(model_name=${row/smoke/llama3.2} "${shp[@]}")
+  else
+    model=(model_name=$row)
+  fi
+  local extra=(enable_checkpointing=false) keys=() envs=()
+  for a in "$@"; do [[ $a == XLA_FLAGS=* ]] && envs+=("$a") || keys+=("$a"); done
+  if [[ $profile == 1 ]]; then
+    extra+=("${PROFILE_KEYS[@]}" base_output_directory="$OUT/profiles" run_name="$name")
+    TRACES+=("$name")
+  fi
+  run "$name" "$cap" env "${envs[@]}" "$PY" end_to_end/benchmark.py configs/bench.yml "${model[@]}" per_device_batch_size=$batch \
+    max_target_length=$seq dtype=bfloat16 weight_dtype=float32 remat_policy=full "${ML_ATTN[@]}" steps=$STEPS \
+    "${extra[@]}" "${keys[@]}"
+  SUMMARY_ARGS+=("${name%-maxlite}=$((batch * seq))")
+}
 
-  run "$row-maxlite" 150 "$PY" end_to_end/benchmark.py configs/bench.yml "${mlmodel[@]}" "${common[@]}" \
-    "${ML_ATTN[@]}" steps=$STEPS enable_checkpointing=false
-
-  PROFILE_RUNS+=("$row|${mlmodel[*]} ${common[*]} ${ML_ATTN[*]}")
-done
-
-for p in "${PROFILE_RUNS[@]}"; do
-  row=${p%%|*}
-  read -r -a args <<< "${p#*|}"
-  run "$row-maxlite-profile" 90 "$PY" MaxLite/train.py configs/bench.yml "${args[@]}" steps=7 "${PROFILE_KEYS[@]}" \
-    base_output_directory="$OUT/profiles" run_name="$row-maxlite" enable_checkpointing=false jax_cache_dir="$JAX_CACHE"
-done
-
-# If time is left: MaxLite's 1B row with XLA's Triton GEMM fusions off (every projection through cuBLAS). The first
-# H200 trace had 184 ms of its step in four Triton GEMM fusions against MaxText's 12 ms; a deviceless H100 compile
-# here cannot tell which dots the autotuner keeps in Triton, so this measures the flag instead of guessing.
-if [[ $SMOKE != 1 ]]; then
-  run "llama3.2-1b-cublas-maxlite" 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
-    "$PY" end_to_end/benchmark.py configs/bench.yml model_name=llama3.2-1b per_device_batch_size=8 \
-    max_target_length=4096 dtype=bfloat16 weight_dtype=float32 remat_policy=full steps=$STEPS enable_checkpointing=false
-  SUMMARY_ARGS+=("llama3.2-1b-cublas=32768")
-  # Hopper's fp8 tensor cores (issue 54 item 3): the projections in fp8 through Qwix, same row.
-  run "llama3.2-1b-fp8-maxlite" 150 "$PY" end_to_end/benchmark.py configs/bench.yml model_name=llama3.2-1b \
-    per_device_batch_size=8 max_target_length=4096 dtype=bfloat16 weight_dtype=float32 remat_policy=full \
-    quantization=fp8 use_qwix_quantization=true steps=$STEPS enable_checkpointing=false
-  SUMMARY_ARGS+=("llama3.2-1b-fp8=32768")
-fi
+if [[ $SMOKE == 1 ]]; then R1=(smoke-1b 1 256); R3=(smoke-3b 1 256); else R1=(llama3.2-1b 8 4096); R3=(llama3.2-3b 4 4096); fi
+B1=${R1[0]} B3=${R3[0]}
+# In order of what the issue needs most, so that what the budget cuts is the least needed: both rows at the same
+# settings (MaxLite's default weight_cast is convert on GPU), the A/B of the weight cast the first H200 trace
+# pointed at (in_loop was the only cast then), MaxLite's own choice of remat (an H200 holds these activations), the
+# Triton GEMM flag and fp8.
+maxtext "${R1[@]}" 150
+maxlite "${R1[@]}" 120 "$B1-maxlite" 1
+maxlite "${R1[@]}" 100 "$B1-inloop-maxlite" 0 weight_cast=in_loop
+maxtext "${R3[@]}" 170
+maxlite "${R3[@]}" 130 "$B3-maxlite" 1
+maxlite "${R1[@]}" 100 "$B1-noremat-maxlite" 0 remat_policy=none
+maxlite "${R3[@]}" 120 "$B3-noremat-maxlite" 0 remat_policy=none
+maxlite "${R1[@]}" 100 "$B1-cublas-maxlite" 0 "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
+maxlite "${R1[@]}" 100 "$B1-fp8-maxlite" 0 quantization=fp8 use_qwix_quantization=true
 
 "$PY" end_to_end/gpu/summarize.py "$OUT" "${SUMMARY_ARGS[@]}"
+
+# Where each traced step's GPU time went (read here, so the numbers come back even if a trace is too big to).
+for name in "${TRACES[@]}"; do
+  for pb in "$OUT"/profiles/"$name"/tensorboard/plugins/profile/*/*.xplane.pb; do
+    [[ -f $pb ]] && timeout 60 "$PY" end_to_end/gpu/trace_top.py "$pb" --top 30 >> "$OUT/trace_top.txt" 2>&1
+  done
+done
+
+# The device tool brings back at most 8 files from its $OUT, two folders deep: pack them (RESULTS, when set).
+if [[ -n ${RESULTS:-} ]]; then
+  mkdir -p "$RESULTS"
+  cp "$OUT"/summary.txt "$OUT"/trace_top.txt "$RESULTS"/ 2>/dev/null
+  (cd "$OUT" && tar czf "$RESULTS/logs.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' .)
+  for name in "${TRACES[@]}"; do
+    pb=$(ls "$OUT"/profiles/"$name"/tensorboard/plugins/profile/*/*.xplane.pb 2>/dev/null | tail -n 1)
+    [[ -n $pb ]] && gzip -c "$pb" > "$RESULTS/$name.xplane.pb.gz"
+  done
+  ls -la "$RESULTS"
+fi
 echo "== done in $((SECONDS - T0)) s; outputs in $OUT"

@@ -102,13 +102,18 @@ def main(argv: list[str]) -> None:
   rows = [(a.split("=")[0], int(a.split("=")[1])) for a in argv[1:]]
   ran = rcs(out)
   result = {}
-  header = f"{'row':<14} {'system':<8} {'s/step':>9} {'tokens/s':>11} {'TFLOP/s/dev*':>12} {'timed':>5}"
+  header = f"{'row':<22} {'system':<8} {'s/step':>9} {'tokens/s':>11} {'TFLOP/s/dev*':>12} {'timed':>5}"
   header += "  rc (s)      trace"
   lines = [header, "-" * len(header)]
   for row, tokens in rows:
+    # A variant row (llama3.2-1b-noremat) is MaxLite alone: it is set beside its base row's MaxText run.
+    bases = [r for r, _ in rows if row.startswith(r + "-")]
+    has_own = os.path.exists(os.path.join(out, f"{row}-maxtext.log"))
+    base = max(bases, key=len) if bases and not has_own else row
     result[row] = {
       "tokens_per_step": tokens,
-      "maxtext": maxtext(out, row, tokens) | {"rc": ran.get(f"{row}-maxtext"), "traces": traces(out, f"{row}-maxtext")},
+      "maxtext": maxtext(out, base, tokens)
+      | {"rc": ran.get(f"{base}-maxtext"), "traces": traces(out, f"{base}-maxtext"), "row": base},
       "maxlite": maxlite(out, row)
       | {
         "rc": ran.get(f"{row}-maxlite"),
@@ -117,24 +122,27 @@ def main(argv: list[str]) -> None:
       },
     }
     for system in ("maxtext", "maxlite"):
+      if system == "maxtext" and base != row:
+        lines.append(f"{row:<22} (MaxText: the {base} row above)")
+        continue
       r = result[row][system]
       trace = f"{len(r['traces'])} xplane.pb" if r["traces"] else "none"
       if "error" in r:
-        lines.append(f"{row:<14} {system:<8} {'FAILED':>9} {'':>11} {'':>12} {'':>5}  {r['rc']!s:<11} {trace}")
-        lines.append(f"{'':<14}   {r['error']}")
+        lines.append(f"{row:<22} {system:<8} {'FAILED':>9} {'':>11} {'':>12} {'':>5}  {r['rc']!s:<11} {trace}")
+        lines.append(f"{'':<22}   {r['error']}")
       else:
         tf = "" if r["tflops_per_device"] is None else f"{r['tflops_per_device']:.2f}"
         lines.append(
-          f"{row:<14} {system:<8} {r['median_step_s']:>9.4f} {r['tokens_per_s']:>11.1f} {tf:>12} "
+          f"{row:<22} {system:<8} {r['median_step_s']:>9.4f} {r['tokens_per_s']:>11.1f} {tf:>12} "
           f"{r['steps_timed']:>5}  {r['rc']!s:<11} {trace}"
         )
     mt, ml = result[row]["maxtext"], result[row]["maxlite"]
     if "error" not in mt and "error" not in ml:
       ratio = ml["tokens_per_s"] / mt["tokens_per_s"]
       result[row]["maxlite_over_maxtext_tokens_per_s"] = round(ratio, 3)
-      lines.append(f"{'':<14} MaxLite/MaxText tokens/s = {ratio:.3f}")
+      lines.append(f"{'':<22} MaxLite/MaxText tokens/s = {ratio:.3f}")
     if "error" not in mt and abs(mt["mean_step_s"] / mt["median_step_s"] - 1) > 0.1:
-      lines.append(f"{'':<14} note: MaxText's mean step {mt['mean_step_s']:.4f} s is >10% off its median")
+      lines.append(f"{'':<22} note: MaxText's mean step {mt['mean_step_s']:.4f} s is >10% off its median")
   lines.append("* each system's own model-FLOP count (MaxText's and MaxLite's formulas differ in detail)")
   text = "\n".join(lines)
   print(text)
