@@ -79,7 +79,6 @@ REMAT_NAMES = (
   "moe_mlpwo",
 )
 PLACEMENTS = ("remat", "device", "offload")
-WEIGHT_CASTS = ("auto", "in_loop", "convert")
 
 _QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 _MLP = ("mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")

@@ -68,7 +68,6 @@ class ConfigKeys:
   # DataTypes (`--describe DataTypes`)
   dtype: Literal["float32", "bfloat16"]
   weight_dtype: Literal["float32", "bfloat16"]
-  weight_cast: Literal["auto", "in_loop", "convert"]
   logits_dot_in_fp32: bool
 
   # Quantization (`--describe Quantization`)

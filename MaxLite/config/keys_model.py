@@ -19,7 +19,6 @@ Placement = Literal[choices.PLACEMENTS]
 QuantizationType = Literal[choices.QUANTIZATIONS]
 RematPolicy = Literal[choices.REMAT_POLICIES]
 RopeType = Literal[choices.ROPE_TYPES]
-WeightCast = Literal[choices.WEIGHT_CASTS]
 
 
 class ModelArchitecture(BaseModel):
@@ -146,13 +145,6 @@ class DataTypes(BaseModel):
 
   dtype: Dtype = Field("float32", description="activation / compute dtype: float32 or bfloat16")
   weight_dtype: Dtype = Field("float32", description="parameter (and optimizer state) dtype")
-  weight_cast: WeightCast = Field(
-    "auto",
-    description=(
-      "float32 weights -> bfloat16 dtype: in_loop (integer ops XLA leaves in the layer loop: no second copy of the "
-      "weights) | convert (a plain convert XLA may hoist out of the loop) | auto = convert on GPU, in_loop elsewhere"
-    ),
-  )
   logits_dot_in_fp32: bool = Field(
     True,
     description=(

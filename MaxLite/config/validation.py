@@ -594,10 +594,6 @@ def validate_and_derive(
   max_segments, attention_segments = attention_choice.segments_per_row(c, kernel)
   _check_vocab_tiling(c, sequence_shards)
   c["megablox"] = _check_megablox(c, platform)
-  # The integer cast exists for memory on TPU (and CPU, whose benchmarks it also serves); on GPU the hoisted plain
-  # convert leaves the projections' operands plain bfloat16 slices that cuBLAS takes as they are.
-  if c["weight_cast"] == "auto":
-    c["weight_cast"] = "convert" if platform in ("gpu", "cuda") else "in_loop"
 
   run_name = c["run_name"] or default_run_name()
   run_dir = storage.join(storage.absolute(c["base_output_directory"]), run_name)

@@ -12,7 +12,7 @@ from MaxLite.config import Config
 from MaxLite.config.families import Family, family
 from MaxLite.layers.attention import soft_cap
 from MaxLite.layers.embeddings import Embed
-from MaxLite.layers.linears import DenseGeneral, weight_cast
+from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.moe import load_balance_loss
 from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.pipeline import run_pipeline
@@ -131,44 +131,38 @@ class Transformer(nn.Module):
     self, ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, return_hidden: bool = False
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     cfg = self.config
-    with weight_cast(cfg.weight_cast):  # how the float32 weights reach a bfloat16 dtype (the weight_cast key)
-      dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
-      embed = Embed(
+    dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
+    embed = Embed(
+      cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, iota=cfg.use_iota_embed, name="token_embedder"
+    )
+    x = embed(ids)
+    if decoder_family(cfg).scale_embeddings:  # Gemma: sqrt(width), rounded to the activation dtype
+      x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
+    x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
+    x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, positions, segment_ids)
+    if moe_aux is not None:
+      self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
+    offset = decoder_family(cfg).norm_scale_offset
+    x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, offset, name="decoder_norm")(x)
+    if cfg.logits_via_embedding:
+      if return_hidden:
+        return x, self._head(embed.embedding.T)
+      logits = embed.attend(x, logits_dtype(cfg))
+    else:
+      dense = DenseGeneral(
         cfg.vocab_size,
-        cfg.base_emb_dim,
+        ("embed", "vocab"),
         dtype=dtype,
         weight_dtype=wdtype,
-        iota=cfg.use_iota_embed,
-        name="token_embedder",
+        init_scale=cfg.dense_init_scale,
+        output_dtype=logits_dtype(cfg),
+        name="logits_dense",
       )
-      x = embed(ids)
-      if decoder_family(cfg).scale_embeddings:  # Gemma: sqrt(width), rounded to the activation dtype
-        x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
-      x = nn.with_logical_constraint(x, EMBED_ACTIVATION)
-      x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, positions, segment_ids)
-      if moe_aux is not None:
-        self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
-      offset = decoder_family(cfg).norm_scale_offset
-      x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, offset, name="decoder_norm")(x)
-      if cfg.logits_via_embedding:
-        if return_hidden:
-          return x, self._head(embed.embedding.T)
-        logits = embed.attend(x, logits_dtype(cfg))
-      else:
-        dense = DenseGeneral(
-          cfg.vocab_size,
-          ("embed", "vocab"),
-          dtype=dtype,
-          weight_dtype=wdtype,
-          init_scale=cfg.dense_init_scale,
-          output_dtype=logits_dtype(cfg),
-          name="logits_dense",
-        )
-        if return_hidden and not self.is_initializing():
-          return x, self._head(self.variables["params"]["logits_dense"]["kernel"])  # the weight `dense` applies
-        logits = dense(x)
-      logits = soft_cap(logits, cfg.final_logits_soft_cap)
-      return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+      if return_hidden and not self.is_initializing():
+        return x, self._head(self.variables["params"]["logits_dense"]["kernel"])  # the weight `dense` applies
+      logits = dense(x)
+    logits = soft_cap(logits, cfg.final_logits_soft_cap)
+    return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
   def _head(self, weight: jax.Array) -> jax.Array:
     # In the weight dtype: the tiled loss casts it per chunk, so the chunks' gradients add up in that dtype.
