@@ -1,6 +1,9 @@
 """MaxLite: a small MaxText-style LLM pretraining codebase on JAX."""
 
+import importlib
+
 from MaxLite import storage as _paths
+from MaxLite.config import families as _families
 from MaxLite.runtime import platforms as _platforms
 
 # Before any storage library reads its settings: a local GCS server named by STORAGE_EMULATOR_HOST
@@ -8,6 +11,7 @@ from MaxLite.runtime import platforms as _platforms
 _paths.use_storage_emulator_if_set()
 # Before jax starts a backend: on a machine that can only use its CPU, no TPU probe and no log line about its failure.
 _platforms.use_cpu_when_it_is_all_there_is()
-# Last, once the environment is set: the decoder families register into config/families.py, which config validation
-# and the transformer read (torchtitan's way: importing the package brings its models).
-import MaxLite.models  # noqa: E402, F401
+# The decoder families register into config/families.py at its first lookup (config validation, the transformer):
+# MaxLite.models brings jax and flax, which a process that never looks a family up (train.py's first one, which
+# only re-execs itself under tcmalloc; a tool's --help) should not pay for.
+_families.register_loader(lambda: importlib.import_module("MaxLite.models"))

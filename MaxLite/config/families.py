@@ -73,6 +73,14 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+_LOADERS: list[Callable[[], object]] = []
+
+
+def register_loader(loader: Callable[[], object]) -> None:
+  """`loader()` registers families; it runs at the first lookup. The package root passes one that imports
+  MaxLite.models, so that importing the package does not bring jax and flax into a process that never looks a family
+  up (train.py's first process only re-execs itself under tcmalloc: 0.6 s of every launch went to that import)."""
+  _LOADERS.append(loader)
 
 
 def register(family: Family) -> Family:
@@ -84,6 +92,8 @@ def register(family: Family) -> Family:
 
 
 def _registered() -> dict[str, Family]:
+  while _LOADERS:
+    _LOADERS.pop(0)()
   if not _FAMILIES:
     raise RuntimeError(
       "no decoder family is registered: import MaxLite.models first (each of its modules registers one)"
