@@ -80,9 +80,6 @@ export PYTHONPATH=$SITE:$REPO
 export DECOUPLE_GCLOUD=TRUE
 # jax takes 75% of GPU memory by default; the 3B row (float32 weights + Adam, ~51 GB) wants more on an H100.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
-# Shared by both systems; only MaxLite's profile run (same program as its benchmark run) hits it.
-JAX_CACHE=${GPU_BENCH_JAX_CACHE:-/tmp/gpu_bench_jax_cache}
-export JAX_COMPILATION_CACHE_DIR=$JAX_CACHE
 
 (nvidia-smi || echo "no nvidia-smi") 2>&1 | tee "$OUT/nvidia-smi.txt"
 timeout 120 "$PY" -c "import jax, jaxlib, flax, optax; print('python', __import__('sys').version.split()[0], \

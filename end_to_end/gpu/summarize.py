@@ -117,7 +117,6 @@ def main(argv: list[str]) -> None:
       "maxlite": maxlite(out, row)
       | {
         "rc": ran.get(f"{row}-maxlite"),
-        "profile_rc": ran.get(f"{row}-maxlite-profile"),
         "traces": traces(out, f"{row}-maxlite"),
       },
     }

@@ -14,9 +14,10 @@ import collections
 import re
 import sys
 
+# In the order they are tried: XLA names its Triton GEMM fusions after dots, so they go before cuBLAS's "gemm_".
 KINDS = (
-  ("cuBLAS GEMM", re.compile(r"nvjet|cublas|gemm_|sm90_xmma|cutlass", re.I)),
   ("Triton GEMM fusion", re.compile(r"gemm_fusion|triton_gemm|fusion_dot|__triton_gemm", re.I)),
+  ("cuBLAS GEMM", re.compile(r"nvjet|cublas|gemm_|sm90_xmma|cutlass", re.I)),
   ("cuDNN attention", re.compile(r"cudnn|sdpa|fmha|flash", re.I)),
   ("collective", re.compile(r"nccl|all-reduce|all-gather|reduce-scatter|all_reduce|all_gather", re.I)),
   ("copy / memset", re.compile(r"memcpy|memset|copy", re.I)),
@@ -26,11 +27,7 @@ KINDS = (
 
 
 def kind(name: str) -> str:
-  # Triton GEMM fusions are named after dots, so they are tried before the cuBLAS pattern's "gemm_".
-  for label, pattern in (KINDS[1], KINDS[0], *KINDS[2:]):
-    if pattern.search(name):
-      return label
-  return "other"
+  return next((label for label, pattern in KINDS if pattern.search(name)), "other")
 
 
 def summarize(path: str, top: int = 25) -> str:
