@@ -136,7 +136,7 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
     profiler = stack.enter_context(Profiler(config))
     step = start_step
     for step in range(start_step + 1, config.steps + 1):
-      profiler.before_step(step)
+      profiler.before_step(step, state)
       # The first call compiles the step (silent for tens of seconds, minutes for a large model): say so.
       with ticker.ticking("compiling the train step", enabled=step == start_step + 1 and jax.process_index() == 0):
         state, metrics = rl(state, step) if rl else pieces.step(state, next(batches))
@@ -145,6 +145,7 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
       if checkpointer.maybe_save(step, state, batches, log):
         break  # preempted, and saved
       evaluator.maybe_eval(step, state, log)
+    profiler.stop(state)  # a trace that runs to the last step holds all of it
     log.flush()
   _say(_done(config, step, log.rows))  # after the stack: the last save is complete
   return log.rows
