@@ -273,6 +273,7 @@ class ConfigKeys:
   compile_topology_num_slices: int
   compiled_trainstep_file: str
   jax_cache_dir: str
+  gpu_triton_gemm: bool
 
   # Planning (`--describe Planning`)
   plan_time_budget_s: float

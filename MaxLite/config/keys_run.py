@@ -406,6 +406,13 @@ class Compilation(BaseModel):
     "~/jax_cache",
     description='persistent XLA compilation cache (re-launches skip compiling); "" = off',
   )
+  gpu_triton_gemm: bool = Field(
+    False,
+    description=(
+      "on a GPU, XLA may compile dots as Triton GEMM fusions (true) or must call cuBLAS (false: faster on H200; "
+      "MaxText's GPU recipes set the same); --xla_gpu_enable_triton_gemm in XLA_FLAGS wins"
+    ),
+  )
 
 
 class Planning(BaseModel):

@@ -14,6 +14,7 @@ from MaxLite.config.families import family
 from MaxLite.layers import lora
 from MaxLite.models.transformer import logits_dtype
 from MaxLite.parallel.sharding import on_device
+from MaxLite.runtime.compiler_options import step_compiler_options
 from MaxLite.training import dpo, grpo, loss
 from MaxLite.training.optimizer import create_optimizer, learning_rate_schedule
 from MaxLite.training.train_state import TrainState
@@ -243,8 +244,14 @@ def jit_train_step(
       in_shardings=(state_shardings.params, state_shardings.replace(params=None), batch_sharding),
       out_shardings=(state_shardings, replicated),
       donate_argnums=(0, 1) if config.donate_params else 1,
+      compiler_options=step_compiler_options(config, _platform(batch_sharding)),
     )
   )
+
+
+def _platform(sharding: Any) -> str:
+  """The platform the program runs on: its devices' (a deviceless AOT target's too), not this process's default."""
+  return next(iter(sharding.device_set)).platform
 
 
 def jit_eval_step(
@@ -264,4 +271,5 @@ def jit_eval_step(
     ),
     in_shardings=(param_shardings, batch_sharding) + ((reference_shardings,) if config.use_dpo else ()),
     out_shardings=replicated,
+    compiler_options=step_compiler_options(config, _platform(batch_sharding)),
   )

@@ -121,13 +121,14 @@ PROFILE_KEYS=(profiler=xplane skip_first_n_steps_for_profiler=5 profiler_steps=1
 
 SUMMARY_ARGS=()
 TRACES=()
-# maxtext ROW CAP: MaxText's run of ROW, tracing step 5 inside its timed run.
+# maxtext ROW BATCH SEQ CAP [XLA_FLAGS=...]: MaxText's run of ROW, tracing step 5 inside its timed run.
 maxtext() {
   local row=$1 batch=$2 seq=$3 cap=$4
+  shift 4
   local shp common
   read -r -a shp <<< "$(shape "$row")"
   common=(per_device_batch_size=$batch max_target_length=$seq dtype=bfloat16 weight_dtype=float32 remat_policy=full)
-  run "$row-maxtext" "$cap" env PYTHONPATH="$CARRY/maxtext/src:$PYTHONPATH" bash -c 'cd "$0" && exec "$@"' \
+  run "$row-maxtext" "$cap" env "$@" PYTHONPATH="$CARRY/maxtext/src:$PYTHONPATH" bash -c 'cd "$0" && exec "$@"' \
     "$CARRY/maxtext" "$PY" -m maxtext.trainers.pre_train.train src/maxtext/configs/base.yml \
     run_name="$row-maxtext" base_output_directory="$OUT/profiles" steps=$STEPS "${common[@]}" "${shp[@]}" \
     "${LLAMA_KEYS[@]}" "${HW[@]}" "${MAXTEXT_FIXED[@]}" "${PROFILE_KEYS[@]}"
@@ -164,14 +165,27 @@ B1=${R1[0]} B3=${R3[0]}
 # settings, MaxLite's own choice of remat (an H200 holds these activations), XLA's Triton GEMMs off (the first H200
 # trace had 184 ms of MaxLite's step in four Triton GEMM fusions, MaxText 12 ms; a deviceless H100 compile cannot
 # tell which dots the autotuner keeps in Triton), fp8.
-maxtext "${R1[@]}" 150
-maxlite "${R1[@]}" 120 "$B1-maxlite" 1
-maxtext "${R3[@]}" 170
-maxlite "${R3[@]}" 130 "$B3-maxlite" 1
-maxlite "${R1[@]}" 100 "$B1-noremat-maxlite" 0 remat_policy=none
-maxlite "${R3[@]}" 120 "$B3-noremat-maxlite" 0 remat_policy=none
-maxlite "${R1[@]}" 100 "$B1-cublas-maxlite" 0 "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
-maxlite "${R1[@]}" 100 "$B1-fp8-maxlite" 0 quantization=fp8 use_qwix_quantization=true
+if [[ ${GPU_BENCH_PLAN:-first} == first ]]; then
+  maxtext "${R1[@]}" 150
+  maxlite "${R1[@]}" 120 "$B1-maxlite" 1
+  maxtext "${R3[@]}" 170
+  maxlite "${R3[@]}" 130 "$B3-maxlite" 1
+  maxlite "${R1[@]}" 100 "$B1-noremat-maxlite" 0 remat_policy=none
+  maxlite "${R3[@]}" 120 "$B3-noremat-maxlite" 0 remat_policy=none
+  maxlite "${R1[@]}" 100 "$B1-cublas-maxlite" 0 "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
+  maxlite "${R1[@]}" 100 "$B1-fp8-maxlite" 0 quantization=fp8 use_qwix_quantization=true
+else
+  # GPU_BENCH_PLAN=cublas, the second session's: MaxLite as it now compiles on a GPU (gpu_triton_gemm=false, so its
+  # dots call cuBLAS) against MaxText with the flag its own GPU recipes set (configs/gpu/a3/*.sh), both traced in
+  # full (the profiler now waits for the traced step); then the embedding gradient as a matmul, and fp8.
+  CUBLAS="XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
+  maxlite "${R1[@]}" 100 "$B1-maxlite" 1
+  maxtext "${R1[@]}" 110 "$CUBLAS"
+  maxlite "${R3[@]}" 100 "$B3-maxlite" 1
+  maxtext "${R3[@]}" 110 "$CUBLAS"
+  maxlite "${R1[@]}" 80 "$B1-iota-maxlite" 0 use_iota_embed=true
+  maxlite "${R1[@]}" 200 "$B1-fp8-maxlite" 0 quantization=fp8 use_qwix_quantization=true
+fi
 
 "$PY" end_to_end/gpu/summarize.py "$OUT" "${SUMMARY_ARGS[@]}"
 
