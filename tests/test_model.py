@@ -132,6 +132,21 @@ def test_rope_scores_depend_only_on_relative_position():
   np.testing.assert_allclose(apply_rope(q, jnp.asarray([[0]]), default_frequencies(16, 10000.0)), q)
 
 
+def test_rope_rotates_halves_and_its_gradient_has_no_pad():
+  """The rotate-half layout, element by element; and a backward pass with no pad (a slice's gradient), which on a
+  GPU is a pad and an add fusion per rotated tensor per layer."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 100, size=(2, 5)))
+  frequencies = default_frequencies(8, 10000.0)
+  angle = np.asarray(positions)[..., None, None] * frequencies  # [b, s, 1, half]
+  x1, x2 = np.asarray(x)[..., :4], np.asarray(x)[..., 4:]
+  expected = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1)
+  np.testing.assert_allclose(apply_rope(x, positions, frequencies), expected, rtol=1e-5, atol=1e-5)
+  backward = jax.make_jaxpr(jax.grad(lambda x: apply_rope(x, positions, frequencies).sum()))(x)
+  assert "pad" not in {eqn.primitive.name for eqn in backward.eqns}, backward
+
+
 def test_packed_segments_do_not_see_each_other():
   config = make_config("model_name=tiny")
   batch = _batch(batch=1, seq=16)

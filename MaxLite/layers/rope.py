@@ -131,7 +131,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, frequencies: Any, scale: Any 
   sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
   if not isinstance(scale, float) or scale != 1.0:  # a traced scale (Gemma 3's local layers) is applied as well
     sin, cos = sin * jnp.asarray(scale, jnp.float32), cos * jnp.asarray(scale, jnp.float32)
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[..., :half], x32[..., half:]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
+  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) as x * cos + flip(x) * (-1, 1) * sin over a [2, half] view: no
+  # slices, whose gradients are pads (on an H200, Llama 3.2 1B: 64 pad and 64 add fusions, ~21 ms of a 0.66 s step).
+  pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
+  sign = jnp.asarray([[-1.0], [1.0]], jnp.float32)
+  rotated = pairs * cos[..., None, :] + jnp.flip(pairs, axis=-2) * sign * sin[..., None, :]
+  return rotated.reshape(x.shape).astype(x.dtype)
