@@ -490,3 +490,21 @@ def test_shipped_assets_exist_and_load():
     )
   )
   assert b["inputs"].shape == (2, 256) and (b["inputs_segmentation"] > 0).all() and b["inputs"].max() < 8192
+
+
+def test_synthetic_tokens_uniform_spread_over_the_vocabulary_patterns_pile_onto_few_ids():
+  """synthetic_tokens=uniform is MaxText's synthetic data (every id equally likely); the default patterns put about a
+  quarter of their ids on id 0. Either way a process's rows are the global batch's rows, whatever it is given."""
+  from MaxLite.data.synthetic import SyntheticIterator
+
+  def tokens(kind, rows=range(8)):
+    it = SyntheticIterator(global_batch=8, rows=rows, seq_len=2048, vocab_size=1000, seed=3, tokens=kind)
+    return next(it)["inputs"]
+
+  uniform, patterns = tokens("uniform"), tokens("patterns")
+  assert uniform.min() >= 0 and uniform.max() < 1000
+  uniform_share = np.bincount(uniform.ravel(), minlength=1000).max() / uniform.size
+  patterns_share = np.bincount(patterns.ravel(), minlength=1000).max() / patterns.size
+  assert uniform_share < 0.005 and patterns_share > 0.1, (uniform_share, patterns_share)
+  assert len(np.unique(uniform)) > 990
+  np.testing.assert_array_equal(tokens("uniform", rows=[5, 2]), uniform[[5, 2]])

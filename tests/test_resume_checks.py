@@ -37,6 +37,12 @@ def test_only_stream_and_model_keys_count():
   assert (
     resume_differences(synthetic, _as_saved(make_config(*TINY, "dataset_type=synthetic", "tokenizer_path=x"))) == []
   )
+  # synthetic_tokens is the synthetic stream's own key: it counts there, and only there
+  uniform = ("dataset_type=synthetic", "synthetic_tokens=uniform")
+  assert resume_differences(synthetic, _as_saved(make_config(*TINY, *uniform))) == [
+    "synthetic_tokens 'patterns' -> 'uniform'"
+  ]
+  assert resume_differences(saved, _as_saved(make_config(*TINY, "synthetic_tokens=uniform"))) == []
   assert resume_differences(saved, _as_saved(make_config(*TINY, "tokenizer_path=x"))) == [
     "tokenizer_path 'assets/tokenizer/maxlite_sp8k.model' -> 'x'"
   ]

@@ -82,6 +82,7 @@ def test_literals_are_the_choices_lists():
     "remat_policy": choices.REMAT_POLICIES,
     "attention": choices.ATTENTION,
     "dataset_type": choices.DATASET_TYPES,
+    "synthetic_tokens": choices.SYNTHETIC_TOKENS,
     "grain_file_type": choices.FILE_TYPES,
     "tokenizer_type": choices.TOKENIZER_TYPES,
     "lora_weight_qtype": choices.LORA_WEIGHT_QTYPES,

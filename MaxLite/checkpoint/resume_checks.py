@@ -32,6 +32,8 @@ STREAM_KEYS = (
   "global_batch_size_to_train_on",
   "ensemble_data",
 )
+# Keys that define the stream of synthetic data only.
+SYNTHETIC_STREAM_KEYS = ("synthetic_tokens",)
 # Keys that define the stream of real data only (synthetic data ignores them).
 FILE_STREAM_KEYS = (
   "grain_train_files",
@@ -57,6 +59,8 @@ def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
   keys = list(STREAM_KEYS) + list(MODEL_KEYS) + ["ensemble_size"]
   if current.get("dataset_type") != "synthetic" or saved.get("dataset_type") != "synthetic":
     keys += FILE_STREAM_KEYS
+  else:
+    keys += SYNTHETIC_STREAM_KEYS
   return [
     f"{key} {saved[key]!r} -> {current.get(key)!r}" for key in keys if key in saved and saved[key] != current.get(key)
   ]
@@ -67,7 +71,7 @@ def check_resume(step_dir: str, config: Config) -> None:
   has no saved config."""
   path = saved_config_path(step_dir)
   if not storage.isfile(path):
-    keys = STREAM_KEYS + (FILE_STREAM_KEYS if config.dataset_type != "synthetic" else ())
+    keys = STREAM_KEYS + (FILE_STREAM_KEYS if config.dataset_type != "synthetic" else SYNTHETIC_STREAM_KEYS)
     logging.warning(
       "checkpoint %s has no saved config (%s): resuming it with %s not checked against the values it was saved with "
       "(a change skips or repeats data; then stop and start a new run_name with load_full_state_path=%s)",

@@ -29,6 +29,7 @@ AXIS_KEY = {
 }
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
+SYNTHETIC_TOKENS = ("patterns", "uniform")
 TOKENIZER_TYPES = ("sentencepiece", "huggingface", "tiktoken")  # MaxText's names
 FILE_TYPES = ("arrayrecord", "parquet", "jsonl")  # grain_file_type
 FILE_SUFFIXES = {"arrayrecord": ".array_record", "parquet": ".parquet", "jsonl": ".jsonl"}

@@ -183,6 +183,7 @@ class ConfigKeys:
 
   # Dataset (`--describe Dataset`)
   dataset_type: Literal["synthetic", "grain"]
+  synthetic_tokens: Literal["patterns", "uniform"]
   grain_train_files: str
   grain_eval_files: str
   grain_file_type: Literal["arrayrecord", "parquet", "jsonl"]

@@ -16,6 +16,7 @@ from MaxLite.config import choices
 
 # The closed lists are choices.py's: Literal[tuple] is a Literal of its items.
 DatasetType = Literal[choices.DATASET_TYPES]
+SyntheticTokens = Literal[choices.SYNTHETIC_TOKENS]
 DecodeSamplingStrategy = Literal[choices.DECODE_SAMPLING_STRATEGIES]
 FileType = Literal[choices.FILE_TYPES]
 LoraWeightQtype = Literal[choices.LORA_WEIGHT_QTYPES]
@@ -122,6 +123,13 @@ class Dataset(BaseModel):
   dataset_type: DatasetType = Field(
     "grain",
     description="grain (ArrayRecord, Parquet or JSONL files) | synthetic (generated, learnable sequences)",
+  )
+  synthetic_tokens: SyntheticTokens = Field(
+    "patterns",
+    description=(
+      "dataset_type=synthetic: patterns (each row repeats a short Zipf-drawn pattern: learnable) | uniform "
+      "(independent ids, uniform over the vocabulary: MaxText's synthetic data, for benchmarks beside it)"
+    ),
   )
   grain_train_files: str = Field(
     "assets/corpus/train-*.array_record",

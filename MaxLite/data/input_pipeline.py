@@ -102,6 +102,7 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
       seq_len=config.max_target_length,
       vocab_size=config.vocab_size,
       seed=seed,
+      tokens=config.synthetic_tokens,
     )
   files = config.grain_train_files if split == "train" else config.grain_eval_files
   columns = config.train_data_columns if split == "train" else config.eval_data_columns or config.train_data_columns
