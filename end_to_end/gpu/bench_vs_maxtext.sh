@@ -17,6 +17,7 @@
 # trace_top.txt, logs.tgz (all but the traces) and each trace gzipped:
 #   device tool: run(command="OUT_DIR=$OUT; OUT=/tmp/gpu_work RESULTS=$OUT_DIR bash end_to_end/gpu/bench_vs_maxtext.sh",
 #                    carry=[".gpu_carry"], timeout_s=600)
+# GPU_BENCH_PLAN: first (the first session's rows and variants), cublas (the second's), uniform (for the next).
 # Every command runs under `timeout`, all within GPU_BENCH_BUDGET_S (540 s); a failed command does not stop the rest.
 #
 # GPU_BENCH_SMOKE=1: tiny shapes (2 layers, emb 256, vocab 32000, seq 256, batch 1, 12 steps) on whatever jax finds,
@@ -174,6 +175,17 @@ if [[ ${GPU_BENCH_PLAN:-first} == first ]]; then
   maxlite "${R3[@]}" 120 "$B3-noremat-maxlite" 0 remat_policy=none
   maxlite "${R1[@]}" 100 "$B1-cublas-maxlite" 0 "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
   maxlite "${R1[@]}" 100 "$B1-fp8-maxlite" 0 quantization=fp8 use_qwix_quantization=true
+elif [[ $GPU_BENCH_PLAN == uniform ]]; then
+  # The third session's: the cublas plan below on the same data in both systems (synthetic_tokens=uniform is MaxText's
+  # synthetic data), with RoPE's pad-free backward; then MaxLite's own patterns (is the 28 ms scatter-add the data's
+  # doing?) and fp8.
+  CUBLAS="XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
+  maxlite "${R1[@]}" 100 "$B1-maxlite" 1 synthetic_tokens=uniform
+  maxtext "${R1[@]}" 110 "$CUBLAS"
+  maxlite "${R3[@]}" 100 "$B3-maxlite" 1 synthetic_tokens=uniform
+  maxtext "${R3[@]}" 110 "$CUBLAS"
+  maxlite "${R1[@]}" 80 "$B1-patterns-maxlite" 0
+  maxlite "${R1[@]}" 100 "$B1-fp8-maxlite" 0 quantization=fp8 use_qwix_quantization=true synthetic_tokens=uniform
 else
   # GPU_BENCH_PLAN=cublas, the second session's: MaxLite as it now compiles on a GPU (gpu_triton_gemm=false, so its
   # dots call cuBLAS) against MaxText with the flag its own GPU recipes set (configs/gpu/a3/*.sh), both traced in
