@@ -1,9 +1,12 @@
-"""gpu_triton_gemm: the XLA option a GPU step is compiled with, and that the train and eval steps carry it."""
+"""gpu_triton_gemm: the XLA option a GPU step is compiled with, and that the train and eval steps carry it; the
+persistent compilation cache keeps a small model's programs too."""
+
+import os
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import first_devices, make_config
+from conftest import first_devices, make_config, run_train_cli
 
 from MaxLite.aot.compile_step import lower_train_step
 from MaxLite.runtime import compiler_options
@@ -44,3 +47,32 @@ def test_the_train_step_is_compiled_with_the_options(monkeypatch):
   with pytest.raises(Exception, match="xla_no_such_option_maxlite"):
     lowered.compile()
   assert seen == ["cpu"]
+
+
+def test_the_cache_keeps_programs_that_compile_in_under_a_second(tmp_path):
+  # jax's own threshold (1 s) kept none of a tiny model's programs, so every re-launch compiled them all again
+  cache = tmp_path / "cache"
+  done = run_train_cli(
+    "model_name=tiny",
+    "max_target_length=64",
+    "steps=2",
+    f"base_output_directory={tmp_path}",
+    "run_name=r",
+    "enable_checkpointing=false",
+    f"jax_cache_dir={cache}",
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert len(list(cache.iterdir())) >= 2, sorted(p.name for p in cache.iterdir())
+
+
+def test_a_threshold_the_user_set_stands():
+  before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  try:
+    compiler_options.use_compilation_cache("/tmp/x", {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "5"})
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == before[1]
+    compiler_options.use_compilation_cache("~/c", {})
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == compiler_options.CACHE_MIN_COMPILE_S
+    assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/c")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

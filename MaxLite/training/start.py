@@ -13,7 +13,7 @@ from MaxLite import config as config_lib
 from MaxLite import storage
 from MaxLite.config import choices
 from MaxLite.parallel import topologies
-from MaxLite.runtime import distributed, preflight
+from MaxLite.runtime import compiler_options, distributed, preflight
 from MaxLite.training import run_lock
 
 _SHOWN_DERIVED = (
@@ -92,9 +92,7 @@ def run(argv: Sequence[str]) -> None:
   storage.check_bucket(config.base_output_directory, "base_output_directory")
   preflight.run_all(config, tpu_present)
   if config.jax_cache_dir:
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
+    compiler_options.use_compilation_cache(config.jax_cache_dir)
   logging.info("config:\n%s", summarize(config))
   logging.info("attention kernel %s (%s)", config.attention_kernel, config.attention_choice)
   if config.quantization:
