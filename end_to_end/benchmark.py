@@ -57,7 +57,7 @@ def matmul_peak_tflops(dtype: str, n: int = 2048, repeats: int = 10) -> float:
 def _chip_mfu(tflops_per_device: float) -> dict[str, float]:
   """MFU against the chip's published bf16 peak, where the chip is known; nothing otherwise."""
   device = jax.devices()[0]
-  chip = topologies.accelerator_chip(device.platform, getattr(device, "device_kind", ""), dict(os.environ))
+  chip = topologies.device_chip(device)
   if chip is None:
     return {}
   return {"chip_peak_tflops": chip.peak_bf16_tflops, "mfu": round(tflops_per_device / chip.peak_bf16_tflops, 4)}

@@ -35,7 +35,6 @@ def test_xla_knows_the_option_by_that_name():
 
 
 def test_the_train_step_is_compiled_with_the_options(monkeypatch):
-
   seen = []
 
   def options(config, platform):

@@ -349,3 +349,9 @@ def test_gpus_are_known_by_device_kind_with_their_fp8_and_int8_rates():
   assert topologies.gpu_chip("NVIDIA GeForce RTX 4090") is None
   assert topologies.accelerator_chip("tpu", "TPU v5p", {"TPU_ACCELERATOR_TYPE": "v5p-8"}).family == "v5p"
   assert topologies.accelerator_chip("cpu", "cpu", {}) is None
+  # a jax device reads the same: by its platform and device_kind (this process's CPU device has no chip figures)
+  import jax
+
+  assert topologies.device_chip(jax.devices()[0]) is None
+  gpu = type("CudaDevice", (), {"platform": "gpu", "device_kind": "NVIDIA H200"})()
+  assert topologies.device_chip(gpu, {}).family == "H200"

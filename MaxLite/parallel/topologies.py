@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import Any
 
 from MaxLite.cli.errors import ConfigError
 
@@ -96,6 +97,12 @@ def accelerator_chip(platform: str, device_kind: str, environ: dict[str, str]) -
   if platform in ("gpu", "cuda"):
     return gpu_chip(device_kind)
   return None
+
+
+def device_chip(device: Any, environ: dict[str, str] | None = None) -> Chip | None:
+  """`accelerator_chip` of a jax device (this process's first, say): its platform and device_kind."""
+  environ = dict(os.environ) if environ is None else environ
+  return accelerator_chip(device.platform, getattr(device, "device_kind", ""), environ)
 
 
 # XLA flags for TPU collectives, per chip generation, from MaxText's performance recipes (MaxText commit 30c0d0d4c:

@@ -57,7 +57,7 @@ def _with_chip_peak(config: config_lib.Config) -> config_lib.Config:
   import jax
 
   device = jax.devices()[0]
-  chip = topologies.accelerator_chip(device.platform, getattr(device, "device_kind", ""), dict(os.environ))
+  chip = topologies.device_chip(device)
   if chip is None:
     return config
   logging.info("MFU against %s's bf16 peak, %.1f TFLOP/s per device", chip.family, chip.peak_bf16_tflops)
@@ -70,7 +70,7 @@ def _say_native_path(config: config_lib.Config) -> None:
   from MaxLite.layers.quantization import native_path_note
 
   device = jax.devices()[0]
-  chip = topologies.accelerator_chip(device.platform, getattr(device, "device_kind", ""), dict(os.environ))
+  chip = topologies.device_chip(device)
   name = chip.family if chip else device.platform
   note = native_path_note(config.quantization, name, *((chip.peak_int8_tops, chip.peak_fp8_tflops) if chip else (0, 0)))
   if note and jax.process_index() == 0:
