@@ -144,7 +144,6 @@ GEMMA3_27B_LIKE = dict(query_pre_attn_scalar=20, rope_local_base_freq=500.0, rop
 FAMILIES = {
   # original context 16 < SEQ, so the scaled frequencies matter within the test's sequences
   "llama3.2_tied": _small("Llama", dict(LLAMA3_ROPE, original_max_position_embeddings=16), tie_word_embeddings=True),
-  "llama_yarn": _small("Llama", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
   # cos/sin by the mscale / mscale_all_dim ratio (transformers' rule for any YaRN model), the softmax untouched
   "llama_yarn_mscales": _small(
     "Llama", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.4)
@@ -174,7 +173,6 @@ FAMILIES = {
   "gemma3_4b_like": _gemma3("true", **GEMMA3_4B_LIKE),
   "gemma3_4b_like_unscanned": _gemma3("false", **GEMMA3_4B_LIKE),
   "gemma3_27b_like": _gemma3("true", **GEMMA3_27B_LIKE),
-  "gemma3_27b_like_unscanned": _gemma3("false", **GEMMA3_27B_LIKE),
   # grouped routing with a random routing bias
   "deepseek_v3": _deepseek("true"),
   "deepseek_v3_unscanned": _deepseek("false"),
