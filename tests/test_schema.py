@@ -217,6 +217,26 @@ def test_decode_ranges_sit_beside_their_keys_as_a_model_validator():
     )
 
 
+def test_numeric_bounds_sit_on_the_fields_and_are_checked_wherever_a_value_comes_from(tmp_path, capsys):
+  """A key's bounds are its Field's (gt/ge/lt/le): every default lies inside them, --describe prints them, and a value
+  outside them is one line whether it comes from the command line, a YAML file or code that builds a config dict."""
+  assert schema.range_text("adam_b1") == "[0, 1)" and schema.range_text("steps") == "positive"
+  assert schema.range_text("learning_rate_final_fraction") == "[0, 1]" and schema.range_text("seed") is None
+  for key in schema.FIELDS:
+    schema.check_range(key, schema.FIELDS[key].default)
+  code, out, _ = _tool(["train.py", "--describe", "warmup_steps_fraction"], capsys)
+  assert code == 0 and "  allowed:     [0, 1)\n" in out
+  from MaxLite.config import validation
+
+  (tmp_path / "base.yml").write_text(open("configs/base.yml").read())
+  (tmp_path / "bad.yml").write_text("base_config: base.yml\nadam_b2: 1.0\n")
+  with pytest.raises(ConfigError, match=r"^adam_b2 must be in \[0, 1\), got 1.0$"):
+    loader.load_raw([str(tmp_path / "bad.yml")])
+  raw = loader.load_raw(["configs/base.yml"]) | {"z_loss_multiplier": float("nan")}
+  with pytest.raises(ConfigError, match=r"^z_loss_multiplier must be in \[0, inf\), got nan$"):
+    validation.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform="cpu")
+
+
 # `config.key` is typed for editors: Config declares every key's type, and reads stay as they were.
 
 

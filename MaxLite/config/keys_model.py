@@ -6,10 +6,12 @@ comment (tests/test_schema.py holds the two equal). `schema.py` composes these g
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from MaxLite.cli.errors import ConfigError
 from MaxLite.config import choices
 
 # The closed lists are choices.py's (validation's messages name them too): Literal[tuple] is a Literal of its items.
@@ -32,13 +34,13 @@ class ModelArchitecture(BaseModel):
     "llama2",
     description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3 | deepseek",
   )
-  base_emb_dim: int = Field(256, description="model (embedding) width")
-  base_num_query_heads: int = Field(4, description="attention query heads")
-  base_num_kv_heads: int = Field(4, description="key/value heads (< query heads = GQA, 1 = MQA)")
-  head_dim: int = Field(64, description="width of one attention head")
-  base_mlp_dim: int = Field(1024, description="SwiGLU hidden width")
-  base_num_decoder_layers: int = Field(4, description="transformer blocks")
-  vocab_size: int = Field(8192, description="embedding rows; must be >= the tokenizer's vocabulary")
+  base_emb_dim: int = Field(256, gt=0, description="model (embedding) width")
+  base_num_query_heads: int = Field(4, gt=0, description="attention query heads")
+  base_num_kv_heads: int = Field(4, gt=0, description="key/value heads (< query heads = GQA, 1 = MQA)")
+  head_dim: int = Field(64, gt=0, description="width of one attention head")
+  base_mlp_dim: int = Field(1024, gt=0, description="SwiGLU hidden width")
+  base_num_decoder_layers: int = Field(4, gt=0, description="transformer blocks")
+  vocab_size: int = Field(8192, gt=0, description="embedding rows; must be >= the tokenizer's vocabulary")
   mlp_activations: list[str] = Field(
     ["silu", "linear"],
     description="gated MLP act(x W_gate) * (x W_up): silu,linear (SwiGLU) | gelu,linear (GeGLU)",
@@ -59,8 +61,19 @@ class ModelArchitecture(BaseModel):
     description="one [embed, 3, heads, head_dim] q/k/v kernel (query heads must equal kv heads)",
   )
   fused_mlp: bool = Field(False, description="one [embed, 2, mlp] gate+up kernel (dense MLP only)")
-  dropout_rate: float = Field(0.0, description="dropout on attention output and MLP output (0 = off)")
+  dropout_rate: float = Field(0.0, ge=0, lt=1, description="dropout on attention output and MLP output (0 = off)")
   dense_init_scale: float = Field(1.0, description="multiplier on the default (fan-in scaled) weight initialisation")
+
+  @model_validator(mode="after")
+  def _shapes(self) -> ModelArchitecture:
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
+    if self.fused_qkv and self.base_num_kv_heads != self.base_num_query_heads:
+      raise ConfigError(
+        f"fused_qkv=true needs base_num_kv_heads == base_num_query_heads (one head count for q, k and v), got "
+        f"{self.base_num_kv_heads} and {self.base_num_query_heads}; set fused_qkv=false for GQA/MQA"
+      )
+    return self
 
 
 class Rope(BaseModel):
@@ -107,6 +120,30 @@ class Rope(BaseModel):
       "mscale != 0 (mscale = mscale_all_dim), else 0.1 ln(rope_factor) + 1"
     ),
   )
+
+  @model_validator(mode="after")
+  def _scaling(self) -> Rope:
+    """The scaling's own numbers, each refused where transformers would compute nonsense from it."""
+    if self.rope_type == "default":
+      return self
+    if self.rope_factor < 1 or self.original_max_position_embeddings < 1:
+      raise ConfigError(
+        f"rope_type={self.rope_type} needs rope_factor >= 1 and original_max_position_embeddings >= 1, got "
+        f"{self.rope_factor} and {self.original_max_position_embeddings}"
+      )
+    if self.rope_type == "llama3.1" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+      raise ConfigError(
+        f"rope_type=llama3.1 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+        f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
+      )
+    if self.rope_type == "yarn" and not (self.rope_attention_factor == -1 or self.rope_attention_factor > 0):
+      raise ConfigError(
+        f"rope_attention_factor={self.rope_attention_factor} must be > 0 (cos/sin times it) or -1 (as transformers "
+        "derives it from rope_factor and mscale)"
+      )
+    if self.rope_type == "yarn" and not 0 < self.beta_slow < self.beta_fast:
+      raise ConfigError(f"rope_type=yarn needs 0 < beta_slow < beta_fast, got {self.beta_slow} and {self.beta_fast}")
+    return self
 
 
 class Gemma(BaseModel):
@@ -177,6 +214,21 @@ class Quantization(BaseModel):
     "absmax",
     description="the same for the gradients of the backward pass",
   )
+
+  @model_validator(mode="after")
+  def _qwix(self) -> Quantization:
+    if self.quantization and not self.use_qwix_quantization:
+      raise ConfigError(
+        f"quantization={self.quantization} needs use_qwix_quantization=true (MaxLite quantizes with Qwix; MaxText's "
+        "false selects AQT, which MaxLite does not have)"
+      )
+    for key in choices.CALIBRATION_KEYS:
+      if not choices.CALIBRATION_METHOD.fullmatch(getattr(self, key).lower()):
+        raise ConfigError(
+          f"{key}={getattr(self, key)!r} is not a Qwix calibration method: absmax, absmax,SCALE, minmax, "
+          "minmax,SCALE, rms,SCALE, fixed,MAX or fixed,MIN,MAX"
+        )
+    return self
 
 
 class Remat(BaseModel):
@@ -258,6 +310,7 @@ class MemoryLayout(BaseModel):
   )
   num_vocab_tiling: int = Field(
     1,
+    gt=0,
     description=(
       "> 1: the loss computes logits in this many chunks of tokens, so the whole [tokens, vocab] "
       "float32 logits never exist at once (same loss and gradients)"
@@ -336,12 +389,20 @@ class MoEGeneral(BaseModel):
   )
   load_balance_loss_weight: float = Field(
     0.01,
+    ge=0,
+    lt=math.inf,
     description=(
       "weight of the MoE load-balancing loss added to the training loss: MaxText's (num_experts^2 * "
       "mean(density * router prob) per sequence, top_k when balanced; mean over layers), so the same "
       "weight as in MaxText"
     ),
   )
+
+  @model_validator(mode="after")
+  def _expert_width(self) -> MoEGeneral:
+    if self.base_moe_mlp_dim == 0 or self.base_moe_mlp_dim < -1:
+      raise ConfigError(f"base_moe_mlp_dim={self.base_moe_mlp_dim} must be positive or -1 (= base_mlp_dim)")
+    return self
 
 
 class DeepSeekMoE(BaseModel):

@@ -7,6 +7,7 @@ comment (tests/test_schema.py holds the two equal). `schema.py` composes these g
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -63,8 +64,8 @@ class RunInfo(BaseModel):
     "outputs",
     description="parent of <run_name>/ (checkpoints/, tensorboard/, metrics.jsonl)",
   )
-  steps: int = Field(200, description="number of optimizer steps to train")
-  log_period: int = Field(1, description="write a metrics row every N steps (loss is always checked for NaN)")
+  steps: int = Field(200, gt=0, description="number of optimizer steps to train")
+  log_period: int = Field(1, gt=0, description="write a metrics row every N steps (loss is always checked for NaN)")
   seed: int = Field(0, description="seed for per-step RNG (dropout), fold_in(seed, step)")
   init_weights_seed: int = Field(0, description="seed for parameter initialisation")
 
@@ -74,30 +75,42 @@ class Optimizer(BaseModel):
 
   per_device_batch_size: float = Field(
     4.0,
+    gt=0,
     description="sequences per device per step (may be fractional: the global batch must be whole)",
   )
-  max_target_length: int = Field(256, description="sequence length in tokens")
+  max_target_length: int = Field(256, gt=0, description="sequence length in tokens")
   gradient_accumulation_steps: int = Field(
     1,
+    gt=0,
     description="microbatches per optimizer step; the step sees the same global batch",
   )
-  learning_rate: float = Field(0.003, description="peak learning rate")
+  learning_rate: float = Field(0.003, gt=0, lt=math.inf, description="peak learning rate")
   warmup_steps_fraction: float = Field(
     0.1,
+    ge=0,
+    lt=1,
     description="fraction of learning_rate_schedule_steps spent in linear warmup",
   )
   learning_rate_final_fraction: float = Field(
     0.1,
+    ge=0,
+    le=1,
     description="final lr = learning_rate * this, reached at learning_rate_schedule_steps",
   )
   learning_rate_schedule_steps: int = Field(-1, description="length of warmup+cosine schedule; -1 = steps")
-  adam_b1: float = Field(0.9, description="AdamW beta1")
-  adam_b2: float = Field(0.95, description="AdamW beta2")
-  adam_eps: float = Field(1e-08, description="AdamW epsilon")
-  adam_weight_decay: float = Field(0.1, description="AdamW decoupled weight decay (not applied to norm scales)")
-  gradient_clipping_threshold: float = Field(1.0, description="global-norm clipping; 0 disables (negative is refused)")
+  adam_b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+  adam_b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+  adam_eps: float = Field(1e-08, gt=0, lt=math.inf, description="AdamW epsilon")
+  adam_weight_decay: float = Field(
+    0.1, ge=0, lt=math.inf, description="AdamW decoupled weight decay (not applied to norm scales)"
+  )
+  gradient_clipping_threshold: float = Field(
+    1.0, ge=0, lt=math.inf, description="global-norm clipping; 0 disables (negative is refused)"
+  )
   z_loss_multiplier: float = Field(
     0.0,
+    ge=0,
+    lt=math.inf,
     description="weight of the z-loss (log Z)^2 term that keeps logits from drifting",
   )
 
@@ -180,6 +193,24 @@ class Dataset(BaseModel):
   data_shuffle_seed: int = Field(0, description="seed for the deterministic record shuffle")
   eval_interval: int = Field(100, description="run eval after every N-th step; -1 = never")
   eval_steps: int = Field(10, description="batches per eval")
+
+  @model_validator(mode="after")
+  def _file_types(self) -> Dataset:
+    """Files whose names say another type than grain_file_type: one line now, not a reader's complaint later (the
+    default eval files are the shipped ArrayRecord corpus, easy to forget when the train files are Parquet)."""
+    if self.dataset_type != "grain":
+      return self
+    for key in ("grain_train_files", "grain_eval_files"):
+      for pattern in getattr(self, key).split(","):
+        named = [t for t, suffix in choices.FILE_SUFFIXES.items() if pattern.strip().endswith(suffix)]
+        if named and named[0] != self.grain_file_type:
+          fix = f"set grain_file_type={named[0]}"
+          if key == "grain_eval_files":
+            fix = f"set grain_eval_files to {self.grain_file_type} files, or '' (no eval)"
+          raise ConfigError(
+            f"{key}={getattr(self, key)!r} names {named[0]} files but grain_file_type={self.grain_file_type!r}; {fix}"
+          )
+    return self
 
 
 class PostTraining(BaseModel):
@@ -295,6 +326,32 @@ class Lora(BaseModel):
     description="adapters to start from: a PEFT adapter folder (adapter_config.json + safetensors)",
   )
 
+  @model_validator(mode="after")
+  def _consistent(self) -> Lora:
+    """Refused at load: adapters named without LoRA on would be silently ignored; the rest fail after the model is
+    built (a rank of 0, a pattern that is not a regex) or start the adapters from two places at once. How LoRA meets
+    the other groups (quantization, emergency checkpoints, QLoRA tiles) is validation.py's."""
+    if not self.enable_lora:
+      for key in ("lora_restore_path", "hf_lora_adapter_path"):
+        if getattr(self, key):
+          raise ConfigError(
+            f"{key} is set but enable_lora=false: set enable_lora=true to train or decode with adapters"
+          )
+      return self
+    if self.lora_rank <= 0:
+      raise ConfigError(f"lora_rank must be a positive integer with enable_lora=true, got {self.lora_rank}")
+    if not self.lora_alpha > 0:
+      raise ConfigError(f"lora_alpha must be positive with enable_lora=true, got {self.lora_alpha}")
+    if self.lora_tile_size < 0:
+      raise ConfigError(f"lora_tile_size must be 0 (per channel) or a positive tile, got {self.lora_tile_size}")
+    try:
+      re.compile(self.lora_module_path)
+    except re.error as e:
+      raise ConfigError(f"lora_module_path={self.lora_module_path!r} is not a regular expression: {e}") from None
+    if self.lora_restore_path and self.hf_lora_adapter_path:
+      raise ConfigError("lora_restore_path and hf_lora_adapter_path are both set: start the adapters from one of them")
+    return self
+
 
 class Mesh(BaseModel):
   """The device mesh and sharding; each ici_* (within a slice) and dcn_* (across slices) set may hold one -1 = "the
@@ -368,7 +425,7 @@ class Checkpointing(BaseModel):
     ),
   )
   async_checkpointing: bool = Field(True, description="save in the background while training continues")
-  checkpoint_period: int = Field(100, description="save after every N-th step (and after the last step)")
+  checkpoint_period: int = Field(100, gt=0, description="save after every N-th step (and after the last step)")
   max_num_checkpoints_to_keep: int = Field(3, description="retention; -1 = keep all")
   enable_emergency_checkpoint: bool = Field(
     False,
@@ -451,6 +508,14 @@ class Planning(BaseModel):
     -1.0,
     description="plan.py: device memory to plan within (e.g. headroom below the chip's); -1 = the chip's",
   )
+
+  @model_validator(mode="after")
+  def _known_quantizations(self) -> Planning:
+    for value in self.plan_quantizations:
+      if value not in choices.QUANTIZATIONS:
+        shown = ", ".join(repr(q) for q in choices.QUANTIZATIONS)
+        raise ConfigError(f"plan_quantizations: {value!r} is not one of: {shown}")
+    return self
 
 
 class Decoding(BaseModel):

@@ -15,12 +15,14 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import math
 import os
 import textwrap
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+import annotated_types
 import pydantic
 import yaml
 from pydantic import ConfigDict
@@ -113,6 +115,57 @@ def allowed_values(key: str) -> tuple[Any, ...] | None:
   return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
 
 
+def value_range(key: str) -> tuple[float, float, bool, bool] | None:
+  """(low, high, low included, high included) of a numeric key whose Field declares bounds (gt/ge/lt/le), else None;
+  a missing bound is -inf or inf, excluded."""
+  bounds = {type(m): m for m in FIELDS[key].metadata if isinstance(m, annotated_types.BaseMetadata)}
+  if not bounds.keys() & {annotated_types.Gt, annotated_types.Ge, annotated_types.Lt, annotated_types.Le}:
+    return None
+  low, low_in, high, high_in = -math.inf, False, math.inf, False
+  if annotated_types.Gt in bounds:
+    low = bounds[annotated_types.Gt].gt
+  if annotated_types.Ge in bounds:
+    low, low_in = bounds[annotated_types.Ge].ge, True
+  if annotated_types.Lt in bounds:
+    high = bounds[annotated_types.Lt].lt
+  if annotated_types.Le in bounds:
+    high, high_in = bounds[annotated_types.Le].le, True
+  return low, high, low_in, high_in
+
+
+_BOUNDED = tuple(key for key in FIELDS if value_range(key) is not None)
+
+
+def range_text(key: str) -> str | None:
+  """The key's bounds as an interval, "(0, inf)", "[0, 1)"; "positive" for a bare gt=0."""
+  bounds = value_range(key)
+  if bounds is None:
+    return None
+  low, high, low_in, high_in = bounds
+  if (low, low_in, high) == (0, False, math.inf) and len(FIELDS[key].metadata) == 1:
+    return "positive"
+  return f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+
+def check_range(key: str, value: Any) -> None:
+  """One ConfigError line when a numeric key's value is outside its declared bounds (NaN is outside every one)."""
+  bounds = value_range(key)
+  if bounds is None:
+    return
+  low, high, low_in, high_in = bounds
+  above = value >= low if low_in else value > low
+  below = value <= high if high_in else value < high
+  if not (above and below):
+    shown = range_text(key)
+    raise ConfigError(f"{key} must be {shown if shown == 'positive' else 'in ' + shown}, got {value}")
+
+
+def check_ranges(config: Mapping[str, Any]) -> None:
+  """check_range on every bounded key of a merged config (defaults and values set in code included)."""
+  for key in _BOUNDED:
+    check_range(key, config[key])
+
+
 def base_type(key: str) -> type:
   """bool, int, float, str or list: what a YAML or command-line value is converted to before the full check."""
   annotation = FIELDS[key].annotation
@@ -179,9 +232,11 @@ def coerce(key: str, value: Any, source: str) -> Any:
   if choices is not None and value not in choices:
     raise ConfigError(f"{key}={value!r} is not one of: {', '.join(repr(x) for x in choices)}")
   try:
-    return _adapter(key).validate_python(value)  # list items: list[str], list[float] ("1e-3" becomes 0.001)
+    value = _adapter(key).validate_python(value)  # list items: list[str], list[float] ("1e-3" becomes 0.001)
   except pydantic.ValidationError:
     raise bad from None
+  check_range(key, value)
+  return value
 
 
 def closest_keys(name: str, n: int = 3) -> list[str]:
@@ -198,6 +253,8 @@ def describe_key(key: str) -> str:
   if choices is not None:
     wrapped = textwrap.wrap(" | ".join(repr(x) for x in choices), 104, break_on_hyphens=False)
     lines.append("  allowed:     " + "\n               ".join(wrapped))
+  if range_text(key) is not None:
+    lines.append(f"  allowed:     {range_text(key)}")
   wrapped = textwrap.wrap(field.description or "", 104)
   lines.append("  description: " + "\n               ".join(wrapped))
   return "\n".join(lines)

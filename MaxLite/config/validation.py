@@ -1,7 +1,10 @@
-"""Validation of a merged config and the values derived from it, all in one place.
+"""Validation of a merged config across its groups, and the values derived from it.
 
-Every check raises ConfigError with one line naming the keys involved and what would be valid.
-Derived keys are added to the returned dict; they are not settable from YAML or the command line.
+A key's own bounds sit on its Field (gt/ge/lt/le: `schema.check_range`) and a group's checks among its own keys are
+that group's model validator (keys_model.py, keys_run.py); here are the checks that join several groups or need the
+devices (the mesh against the model, emergency checkpoints, vocab slices, GRPO's batch) and the derived values' math.
+Every check raises ConfigError with one line naming the keys involved and what would be valid. Derived keys are added
+to the returned dict; they are not settable from YAML or the command line.
 """
 
 from __future__ import annotations
@@ -17,25 +20,9 @@ from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import attention_choice, ensembles, families, post_training, schema
 from MaxLite.config.choices import (
-  ATTENTION,
   AXIS_KEY,
-  CALIBRATION_KEYS,
-  CALIBRATION_METHOD,
-  DATASET_TYPES,
-  DECODE_SAMPLING_STRATEGIES,
-  DTYPES,
-  FILE_SUFFIXES,
-  FILE_TYPES,
   LORA_DEFAULT_MODULES,
-  LORA_WEIGHT_QTYPES,
   MESH_AXES,
-  PLACEMENTS,
-  PROFILERS,
-  QUANTIZATIONS,
-  REMAT_NAMES,
-  REMAT_POLICIES,
-  ROPE_TYPES,
-  TOKENIZER_TYPES,
 )
 
 
@@ -93,24 +80,12 @@ def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[
 
 
 def _check_choices(c: dict[str, Any]) -> None:
-  for key, choices in (
-    ("remat_policy", REMAT_POLICIES),
-    ("attention", ATTENTION),
-    ("dtype", DTYPES),
-    ("weight_dtype", DTYPES),
-    ("dataset_type", DATASET_TYPES),
-    ("tokenizer_type", TOKENIZER_TYPES),
-    ("grain_file_type", FILE_TYPES),
-    ("decoder_block", families.decoder_blocks()),
-    ("rope_type", ROPE_TYPES),
-    ("profiler", PROFILERS),
-    ("decode_sampling_strategy", DECODE_SAMPLING_STRATEGIES),
-  ):
+  """Every key with a closed set of values (its Literal in the schema) holds one of them, defaults and values set in
+  code included (a value set in a file was checked as read); decoder_block's set is the family registry."""
+  closed = [(key, schema.allowed_values(key)) for key in schema.FIELDS]
+  for key, choices in [*[(k, v) for k, v in closed if v is not None], ("decoder_block", families.decoder_blocks())]:
     if c[key] not in choices:
       raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
-  for name in REMAT_NAMES:
-    if c[name] not in PLACEMENTS:
-      raise ConfigError(f"{name}={c[name]!r} is not one of: {', '.join(repr(x) for x in PLACEMENTS)}")
   if list(c["mlp_activations"]) not in (["silu", "linear"], ["gelu", "linear"]):
     raise ConfigError(
       f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU) or "
@@ -128,27 +103,10 @@ def _check_choices(c: dict[str, Any]) -> None:
       )
 
 
-def _check_lora(c: dict[str, Any]) -> None:
+def _check_lora_with_others(c: dict[str, Any]) -> None:
+  """How LoRA meets the other groups (the Lora group's own checks are its model validator)."""
   if not c["enable_lora"]:
-    for key in ("lora_restore_path", "hf_lora_adapter_path"):
-      if c[key]:
-        raise ConfigError(f"{key} is set but enable_lora=false: set enable_lora=true to train or decode with adapters")
     return
-  if c["lora_rank"] <= 0:
-    raise ConfigError(f"lora_rank must be a positive integer with enable_lora=true, got {c['lora_rank']}")
-  if c["lora_alpha"] <= 0:
-    raise ConfigError(f"lora_alpha must be positive with enable_lora=true, got {c['lora_alpha']}")
-  if c["lora_weight_qtype"] not in LORA_WEIGHT_QTYPES:
-    shown = ", ".join(repr(q) for q in LORA_WEIGHT_QTYPES)
-    raise ConfigError(f"lora_weight_qtype={c['lora_weight_qtype']!r} is not one of: {shown}")
-  if c["lora_tile_size"] < 0:
-    raise ConfigError(f"lora_tile_size must be 0 (per channel) or a positive tile, got {c['lora_tile_size']}")
-  try:
-    re.compile(c["lora_module_path"])
-  except re.error as e:
-    raise ConfigError(f"lora_module_path={c['lora_module_path']!r} is not a regular expression: {e}") from None
-  if c["lora_restore_path"] and c["hf_lora_adapter_path"]:
-    raise ConfigError("lora_restore_path and hf_lora_adapter_path are both set: start the adapters from one of them")
   if c["quantization"]:
     raise ConfigError(
       f"enable_lora=true with quantization={c['quantization']}: the frozen base is quantized with lora_weight_qtype "
@@ -209,66 +167,12 @@ def _check_qlora_tiles(c: dict[str, Any]) -> None:
       )
 
 
-def _check_quantization(c: dict[str, Any]) -> None:
-  if c["quantization"] not in QUANTIZATIONS:
-    raise ConfigError(
-      f"quantization={c['quantization']!r} is not one of: {', '.join(repr(q) for q in QUANTIZATIONS)} (Qwix's "
-      "quantized training; int4 and the other MaxText modes are not supported)"
-    )
-  for value in c["plan_quantizations"]:
-    if value not in QUANTIZATIONS:
-      raise ConfigError(f"plan_quantizations: {value!r} is not one of: {', '.join(repr(q) for q in QUANTIZATIONS)}")
-  if c["quantization"] and not c["use_qwix_quantization"]:
-    raise ConfigError(
-      f"quantization={c['quantization']} needs use_qwix_quantization=true (MaxLite quantizes with Qwix; MaxText's "
-      "false selects AQT, which MaxLite does not have)"
-    )
-  for key in CALIBRATION_KEYS:
-    if not CALIBRATION_METHOD.fullmatch(c[key].lower()):
-      raise ConfigError(
-        f"{key}={c[key]!r} is not a Qwix calibration method: absmax, absmax,SCALE, minmax, minmax,SCALE, rms,SCALE, "
-        "fixed,MAX or fixed,MIN,MAX"
-      )
-
-
-def _check_data_files(c: dict[str, Any]) -> None:
-  """Files whose names say another type than grain_file_type: one line now, not a reader's complaint later (the
-  default eval files are the shipped ArrayRecord corpus, easy to forget when the train files are Parquet)."""
-  if c["dataset_type"] != "grain":
-    return
-  for key in ("grain_train_files", "grain_eval_files"):
-    for pattern in c[key].split(","):
-      named = [t for t, suffix in FILE_SUFFIXES.items() if pattern.strip().endswith(suffix)]
-      if named and named[0] != c["grain_file_type"]:
-        fix = f"set grain_file_type={named[0]}"
-        if key == "grain_eval_files":
-          fix = f"set grain_eval_files to {c['grain_file_type']} files, or '' (no eval)"
-        raise ConfigError(
-          f"{key}={c[key]!r} names {named[0]} files but grain_file_type={c['grain_file_type']!r}; {fix}"
-        )
-
-
 def _check_positive(c: dict[str, Any]) -> None:
-  for key in (
-    "steps",
-    "base_emb_dim",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "head_dim",
-    "base_mlp_dim",
-    "base_num_decoder_layers",
-    "vocab_size",
-    "max_target_length",
-    "gradient_accumulation_steps",
-    "num_vocab_tiling",
-    "log_period",
-    "checkpoint_period",
-    "learning_rate_schedule_steps" if c["learning_rate_schedule_steps"] != -1 else "steps",
-  ):
-    if c[key] <= 0:
-      raise ConfigError(f"{key} must be positive, got {c[key]}")
-  if c["per_device_batch_size"] <= 0:
-    raise ConfigError(f"per_device_batch_size must be positive, got {c['per_device_batch_size']}")
+  """The conditional bounds (a key's own bounds are its Field's: schema.check_ranges)."""
+  if c["learning_rate_schedule_steps"] != -1 and c["learning_rate_schedule_steps"] <= 0:
+    raise ConfigError(
+      f"learning_rate_schedule_steps must be positive, or -1 for steps, got {c['learning_rate_schedule_steps']}"
+    )
   segments = c["max_segments_per_seq"]
   if segments == 0 or segments < -1 or (c["use_dpo"] and segments == 1):
     least = 2 if c["use_dpo"] else 1
@@ -276,8 +180,6 @@ def _check_positive(c: dict[str, Any]) -> None:
       f"max_segments_per_seq={segments} must be -1 (no cap) or >= {least}"
       + (" (a DPO pair is two documents in one row)" if c["use_dpo"] else "")
     )
-  if not 0.0 <= c["dropout_rate"] < 1.0:
-    raise ConfigError(f"dropout_rate must be in [0, 1), got {c['dropout_rate']}")
   if c["load_parameters_path"] and c["load_full_state_path"]:
     raise ConfigError(
       "load_parameters_path and load_full_state_path are mutually exclusive (params only vs the "
@@ -288,32 +190,6 @@ def _check_positive(c: dict[str, Any]) -> None:
       f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
       "(eval_interval=-1 disables eval)"
     )
-
-
-# Optimizer and loss values: (key, low, high, low included, high included). A value outside makes the
-# first step diverge or silently turns a term off, so it is refused at load time instead.
-_OPTIMIZER_RANGES = (
-  ("learning_rate", 0.0, math.inf, False, False),  # 0 would train nothing (no documented use)
-  ("warmup_steps_fraction", 0.0, 1.0, True, False),
-  ("learning_rate_final_fraction", 0.0, 1.0, True, True),
-  ("adam_b1", 0.0, 1.0, True, False),
-  ("adam_b2", 0.0, 1.0, True, False),
-  ("adam_eps", 0.0, math.inf, False, False),
-  ("adam_weight_decay", 0.0, math.inf, True, False),
-  ("gradient_clipping_threshold", 0.0, math.inf, True, False),  # 0 = no clipping
-  ("z_loss_multiplier", 0.0, math.inf, True, False),
-  ("load_balance_loss_weight", 0.0, math.inf, True, False),
-)
-
-
-def _check_optimizer(c: dict[str, Any]) -> None:
-  for key, low, high, low_in, high_in in _OPTIMIZER_RANGES:
-    value = c[key]
-    above = value >= low if low_in else value > low
-    below = value <= high if high_in else value < high
-    if not (above and below):  # NaN fails both
-      interval = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-      raise ConfigError(f"{key} must be in {interval}, got {value}")
 
 
 def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
@@ -436,36 +312,8 @@ def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, bat
 
 def _check_model_features(c: dict[str, Any]) -> None:
   families.family(c["decoder_block"]).check(c)
-  if c["head_dim"] % 2:
-    raise ConfigError(f"head_dim={c['head_dim']} must be even (RoPE rotates pairs of features)")
-  if c["fused_qkv"] and c["base_num_kv_heads"] != c["base_num_query_heads"]:
-    raise ConfigError(
-      f"fused_qkv=true needs base_num_kv_heads == base_num_query_heads (one head count for q, k and v), got "
-      f"{c['base_num_kv_heads']} and {c['base_num_query_heads']}; set fused_qkv=false for GQA/MQA"
-    )
   if c["fused_mlp"] and c["num_experts"] > 1:
     raise ConfigError("fused_mlp=true fuses the dense MLP's kernels; with num_experts > 1 there is none, set it false")
-  if c["base_moe_mlp_dim"] == 0 or c["base_moe_mlp_dim"] < -1:
-    raise ConfigError(f"base_moe_mlp_dim={c['base_moe_mlp_dim']} must be positive or -1 (= base_mlp_dim)")
-  if c["rope_type"] == "default":
-    return
-  if c["rope_factor"] < 1 or c["original_max_position_embeddings"] < 1:
-    raise ConfigError(
-      f"rope_type={c['rope_type']} needs rope_factor >= 1 and original_max_position_embeddings >= 1, got "
-      f"{c['rope_factor']} and {c['original_max_position_embeddings']}"
-    )
-  if c["rope_type"] == "llama3.1" and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
-    raise ConfigError(
-      f"rope_type=llama3.1 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
-      f"{c['rope_low_freq_factor']} and {c['rope_high_freq_factor']}"
-    )
-  if c["rope_type"] == "yarn" and not (c["rope_attention_factor"] == -1 or c["rope_attention_factor"] > 0):
-    raise ConfigError(
-      f"rope_attention_factor={c['rope_attention_factor']} must be > 0 (cos/sin times it) or -1 (as transformers "
-      "derives it from rope_factor and mscale)"
-    )
-  if c["rope_type"] == "yarn" and not 0 < c["beta_slow"] < c["beta_fast"]:
-    raise ConfigError(f"rope_type=yarn needs 0 < beta_slow < beta_fast, got {c['beta_slow']} and {c['beta_fast']}")
 
 
 def moe_mlp_dim(c: dict[str, Any]) -> int:
@@ -562,15 +410,13 @@ def validate_and_derive(
   """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
-  _check_quantization(c)
-  _check_lora(c)
-  _check_data_files(c)
+  schema.check_cross_keys(c)  # the checks that sit beside their keys, as their group's model validators
+  _check_lora_with_others(c)
   c.update(post_training.derive(c))
+  schema.check_ranges(c)  # each key's own bounds, declared on its Field (values set in a file were checked as read)
   _check_positive(c)
   _check_model_features(c)
   _check_qlora_tiles(c)
-  _check_optimizer(c)
-  schema.check_cross_keys(c)  # the checks that sit beside their keys, as their group's model validators
   c.update(ensembles.check(c))
   num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
   slices, ici, dcn = _mesh_axes(c, num_devices, detected_slices)
