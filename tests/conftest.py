@@ -2,11 +2,16 @@
 
 import os
 
-# LLVM's optimisation level 0: the tests' programs are small and run a few steps, so XLA's CPU compiles are most of
-# their time, and level 0 compiles them 1.5-2.5x faster. The programs compute the same functions (the equivalence
-# tests compare runs that all use it); what users run is compiled at the default level. Processes a test starts on
-# one device get FAST_COMPILE alone; those on several devices keep these flags (end_to_end/procs.py).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# XLA's CPU compiles are most of the time of the tests' small, few-step programs, so the tests compile faster than
+# users do: LLVM at optimisation level 0, and XLA's older loop emitters in place of its MLIR fusion emitters
+# (`--xla_cpu_use_fusion_emitters=false`: four tiny-model train steps, fsdp/tensor/expert/stage layouts, compiled in
+# 2.6 s instead of 6.4; tests/test_parallelism.py with end_to_end/test_kill_resume.py on a cold cache in 135 s instead
+# of 163; the older emitters alone, at LLVM's default level, took 178). The programs compute the same functions (the
+# equivalence tests compare runs that all use these flags; the golden losses hold to their tolerance); what users run
+# is compiled with XLA's defaults, whose steps run faster (configs/bench.yml: 0.29 s a step against 0.63 here).
+# Processes a test starts on one device get FAST_COMPILE alone; those on several devices keep these flags
+# (end_to_end/procs.py).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -399,7 +399,9 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
     ),
     first_devices(1),
   )
-  np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)
+  # float32 rounding of two forward passes (1.1e-6 with the tests' compile flags); a reference that used the
+  # unquantized base would be off by the quantization error, orders of magnitude more
+  np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-5)
 
 
 def _one_step(config, rows: int, seq: int) -> tuple:
