@@ -22,7 +22,6 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-import annotated_types
 import pydantic
 import yaml
 from pydantic import ConfigDict
@@ -118,18 +117,13 @@ def allowed_values(key: str) -> tuple[Any, ...] | None:
 def value_range(key: str) -> tuple[float, float, bool, bool] | None:
   """(low, high, low included, high included) of a numeric key whose Field declares bounds (gt/ge/lt/le), else None;
   a missing bound is -inf or inf, excluded."""
-  bounds = {type(m): m for m in FIELDS[key].metadata if isinstance(m, annotated_types.BaseMetadata)}
-  if not bounds.keys() & {annotated_types.Gt, annotated_types.Ge, annotated_types.Lt, annotated_types.Le}:
+  bounds = {
+    name: getattr(m, name) for m in FIELDS[key].metadata for name in ("gt", "ge", "lt", "le") if hasattr(m, name)
+  }
+  if not bounds:
     return None
-  low, low_in, high, high_in = -math.inf, False, math.inf, False
-  if annotated_types.Gt in bounds:
-    low = bounds[annotated_types.Gt].gt
-  if annotated_types.Ge in bounds:
-    low, low_in = bounds[annotated_types.Ge].ge, True
-  if annotated_types.Lt in bounds:
-    high = bounds[annotated_types.Lt].lt
-  if annotated_types.Le in bounds:
-    high, high_in = bounds[annotated_types.Le].le, True
+  low, low_in = (bounds["ge"], True) if "ge" in bounds else (bounds.get("gt", -math.inf), False)
+  high, high_in = (bounds["le"], True) if "le" in bounds else (bounds.get("lt", math.inf), False)
   return low, high, low_in, high_in
 
 
