@@ -124,6 +124,16 @@ def test_mesh_fill_and_derived_values():
     (["head_dim=0"], 1, "head_dim must be positive, got 0"),
     (["dropout_rate=1"], 1, "dropout_rate must be in [0, 1), got 1.0"),
     (["learning_rate_schedule_steps=0"], 1, "learning_rate_schedule_steps must be positive, or -1 for steps, got 0"),
+    # each group's own checks (its model validator)
+    (["eval_interval=5", "eval_steps=0"], 1, "eval_interval (5) and eval_steps (0) must be positive"),
+    (["head_dim=7"], 1, "head_dim=7 must be even (RoPE rotates pairs of features)"),
+    (["fused_qkv=true", "base_num_kv_heads=2"], 1, "fused_qkv=true needs base_num_kv_heads == base_num_query_heads"),
+    (["base_moe_mlp_dim=0"], 1, "base_moe_mlp_dim=0 must be positive or -1 (= base_mlp_dim)"),
+    (["rope_type=yarn", "rope_factor=0.5"], 1, "rope_type=yarn needs rope_factor >= 1"),
+    (["rope_type=llama3.1", "rope_low_freq_factor=8"], 1, "needs 0 < rope_low_freq_factor < rope_high_freq_factor"),
+    (["rope_type=yarn", "beta_slow=64"], 1, "rope_type=yarn needs 0 < beta_slow < beta_fast, got 64.0 and 32.0"),
+    (["rope_type=yarn", "rope_attention_factor=0"], 1, "rope_attention_factor=0.0 must be > 0"),
+    (["plan_quantizations=[int4]"], 1, "plan_quantizations: 'int4' is not one of: '', 'int8'"),
     (["enable_emergency_checkpoint=true"], 1, "needs local_checkpoint_directory, a directory on each host's"),
     (
       ["enable_emergency_checkpoint=true", "local_checkpoint_directory=/tmp/l", "local_checkpoint_period=0"],

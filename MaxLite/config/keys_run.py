@@ -114,6 +114,14 @@ class Optimizer(BaseModel):
     description="weight of the z-loss (log Z)^2 term that keeps logits from drifting",
   )
 
+  @model_validator(mode="after")
+  def _schedule(self) -> Optimizer:
+    if self.learning_rate_schedule_steps != -1 and self.learning_rate_schedule_steps <= 0:
+      raise ConfigError(
+        f"learning_rate_schedule_steps must be positive, or -1 for steps, got {self.learning_rate_schedule_steps}"
+      )
+    return self
+
 
 class Ensemble(BaseModel):
   """Several members of one model trained in one program (seed or learning-rate sweeps)."""
@@ -210,6 +218,15 @@ class Dataset(BaseModel):
           raise ConfigError(
             f"{key}={getattr(self, key)!r} names {named[0]} files but grain_file_type={self.grain_file_type!r}; {fix}"
           )
+    return self
+
+  @model_validator(mode="after")
+  def _eval(self) -> Dataset:
+    if self.eval_interval != -1 and (self.eval_interval <= 0 or self.eval_steps <= 0):
+      raise ConfigError(
+        f"eval_interval ({self.eval_interval}) and eval_steps ({self.eval_steps}) must be positive "
+        "(eval_interval=-1 disables eval)"
+      )
     return self
 
 
@@ -450,6 +467,15 @@ class Checkpointing(BaseModel):
     "",
     description="start from another run's whole train state (step dir, or newest); data starts over",
   )
+
+  @model_validator(mode="after")
+  def _one_start(self) -> Checkpointing:
+    if self.load_parameters_path and self.load_full_state_path:
+      raise ConfigError(
+        "load_parameters_path and load_full_state_path are mutually exclusive (params only vs the "
+        "whole train state); set only one"
+      )
+    return self
 
 
 class Compilation(BaseModel):

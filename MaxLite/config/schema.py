@@ -308,7 +308,9 @@ CHECKED_GROUPS = tuple(g for g in GROUPS if g.__pydantic_decorators__.model_vali
 
 def check_cross_keys(config: Mapping[str, Any]) -> None:
   """Run the cross-key checks that sit beside their keys (a group's model validators, e.g. Decoding's ranges) on a
-  merged config's already typed values; each raises its one-line ConfigError."""
+  merged config's already typed values; each raises its one-line ConfigError. The keys' own bounds are checked first
+  (pydantic would otherwise answer a value outside its Field's bounds with its own multi-line error)."""
+  check_ranges(config)
   for group in CHECKED_GROUPS:
     group.model_validate({key: config[key] for key in group.model_fields})
 

@@ -167,28 +167,13 @@ def _check_qlora_tiles(c: dict[str, Any]) -> None:
       )
 
 
-def _check_positive(c: dict[str, Any]) -> None:
-  """The conditional bounds (a key's own bounds are its Field's: schema.check_ranges)."""
-  if c["learning_rate_schedule_steps"] != -1 and c["learning_rate_schedule_steps"] <= 0:
-    raise ConfigError(
-      f"learning_rate_schedule_steps must be positive, or -1 for steps, got {c['learning_rate_schedule_steps']}"
-    )
+def _check_segments(c: dict[str, Any]) -> None:
   segments = c["max_segments_per_seq"]
   if segments == 0 or segments < -1 or (c["use_dpo"] and segments == 1):
     least = 2 if c["use_dpo"] else 1
     raise ConfigError(
       f"max_segments_per_seq={segments} must be -1 (no cap) or >= {least}"
       + (" (a DPO pair is two documents in one row)" if c["use_dpo"] else "")
-    )
-  if c["load_parameters_path"] and c["load_full_state_path"]:
-    raise ConfigError(
-      "load_parameters_path and load_full_state_path are mutually exclusive (params only vs the "
-      "whole train state); set only one"
-    )
-  if c["eval_interval"] != -1 and (c["eval_interval"] <= 0 or c["eval_steps"] <= 0):
-    raise ConfigError(
-      f"eval_interval ({c['eval_interval']}) and eval_steps ({c['eval_steps']}) must be positive "
-      "(eval_interval=-1 disables eval)"
     )
 
 
@@ -410,11 +395,12 @@ def validate_and_derive(
   """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
-  schema.check_cross_keys(c)  # the checks that sit beside their keys, as their group's model validators
+  # Each key's bounds (its Field's; values set in a file were checked as read), then each group's own checks (its
+  # model validator, beside its keys).
+  schema.check_cross_keys(c)
   _check_lora_with_others(c)
   c.update(post_training.derive(c))
-  schema.check_ranges(c)  # each key's own bounds, declared on its Field (values set in a file were checked as read)
-  _check_positive(c)
+  _check_segments(c)
   _check_model_features(c)
   _check_qlora_tiles(c)
   c.update(ensembles.check(c))
