@@ -237,6 +237,17 @@ def test_numeric_bounds_sit_on_the_fields_and_are_checked_wherever_a_value_comes
     validation.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform="cpu")
 
 
+def test_every_closed_key_is_checked_on_a_config_built_in_code():
+  """A value set in code (the planner's candidates, a tool's own dict) skips the reading of files and overrides:
+  validate_and_derive checks every key with a Literal against its values all the same."""
+  from MaxLite.config import validation
+
+  for key, value in (("quantization", "int4"), ("lora_weight_qtype", "fp4"), ("query_proj", "disk")):
+    raw = loader.load_raw(["configs/base.yml"]) | {key: value}
+    with pytest.raises(ConfigError, match=rf"^{key}='{value}' is not one of: "):
+      validation.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform="cpu")
+
+
 # `config.key` is typed for editors: Config declares every key's type, and reads stay as they were.
 
 
