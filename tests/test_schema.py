@@ -202,7 +202,7 @@ def test_describe_answers_for_a_derived_key():
 
 
 def test_decode_ranges_sit_beside_their_keys_as_a_model_validator():
-  from MaxLite.config.keys_run import Decoding
+  from MaxLite.config.keys_job import Decoding
 
   assert Decoding in schema.CHECKED_GROUPS
   values = {key: schema.FIELDS[key].default for key in Decoding.model_fields}

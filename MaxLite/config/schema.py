@@ -1,8 +1,9 @@
 """The one definition of every config key: its name, type, default, allowed values and one-line description.
 
-The keys are pydantic models grouped by concern (as MaxText's configs/types.py), in `keys_model.py` and
-`keys_run.py`; `MaxLiteConfig` composes them. The loader takes each key's default and type from here and checks every
-value a YAML file or a `key=value` sets through `coerce`; `--help` and `--describe KEY` read the descriptions;
+The keys are pydantic models grouped by concern (as MaxText's configs/types.py), in `keys_model.py`, `keys_train.py`
+and `keys_job.py`; `MaxLiteConfig` composes them. The loader takes each key's default and type (and bounds) from here
+and checks every value a YAML file or a `key=value` sets through `coerce`; `--help` and `--describe KEY` read the
+descriptions;
 configs/base.yml must say the same (tests/test_schema.py). The keys nobody sets (mesh shape, global batch, run
 directories, ...) are declared too, in `keys_derived.py`'s `Derived`, so every key a Config holds is named, typed and
 described here; `config_keys.py` spells them all as the annotations of `Config`, for editors and type checkers
@@ -29,6 +30,7 @@ from pydantic.fields import FieldInfo
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config.keys_derived import Derived
+from MaxLite.config.keys_job import Checkpointing, Compilation, Decoding, Distributed, Mesh, Metrics, Planning
 from MaxLite.config.keys_model import (
   DataTypes,
   DeepSeekMoE,
@@ -42,22 +44,7 @@ from MaxLite.config.keys_model import (
   Rope,
   SplashAttention,
 )
-from MaxLite.config.keys_run import (
-  Checkpointing,
-  Compilation,
-  Dataset,
-  Decoding,
-  Distributed,
-  Ensemble,
-  Grpo,
-  Lora,
-  Mesh,
-  Metrics,
-  Optimizer,
-  Planning,
-  PostTraining,
-  RunInfo,
-)
+from MaxLite.config.keys_train import Dataset, Ensemble, Grpo, Lora, Optimizer, PostTraining, RunInfo
 
 # In the order --help lists them: the run, the model, then training, data, parallelism and the tools.
 GROUPS: tuple[type[pydantic.BaseModel], ...] = (

@@ -1,8 +1,9 @@
 """Validation of a merged config across its groups, and the values derived from it.
 
 A key's own bounds sit on its Field (gt/ge/lt/le: `schema.check_range`) and a group's checks among its own keys are
-that group's model validator (keys_model.py, keys_run.py); here are the checks that join several groups or need the
-devices (the mesh against the model, emergency checkpoints, vocab slices, GRPO's batch) and the derived values' math.
+that group's model validator (keys_model.py, keys_train.py, keys_job.py); here are the checks that join several
+groups or need the devices (the mesh against the model, emergency checkpoints, vocab slices, GRPO's batch) and the
+derived values' math.
 Every check raises ConfigError with one line naming the keys involved and what would be valid. Derived keys are added
 to the returned dict; they are not settable from YAML or the command line.
 """
