@@ -83,8 +83,9 @@ def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[
 def _check_choices(c: dict[str, Any]) -> None:
   """Every key with a closed set of values (its Literal in the schema) holds one of them, defaults and values set in
   code included (a value set in a file was checked as read); decoder_block's set is the family registry."""
-  closed = [(key, schema.allowed_values(key)) for key in schema.FIELDS]
-  for key, choices in [*[(k, v) for k, v in closed if v is not None], ("decoder_block", families.decoder_blocks())]:
+  closed = {key: schema.allowed_values(key) for key in schema.FIELDS if schema.allowed_values(key) is not None}
+  closed["decoder_block"] = families.decoder_blocks()
+  for key, choices in closed.items():
     if c[key] not in choices:
       raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
   if list(c["mlp_activations"]) not in (["silu", "linear"], ["gelu", "linear"]):
