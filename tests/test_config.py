@@ -120,7 +120,7 @@ def test_mesh_fill_and_derived_values():
     (["z_loss_multiplier=-1e-4"], 1, "z_loss_multiplier must be in [0, inf), got -0.0001"),
     (["load_balance_loss_weight=-1"], 1, "load_balance_loss_weight must be in [0, inf), got -1.0"),
     (["steps=0"], 1, "steps must be positive, got 0"),
-    (["per_device_batch_size=-2"], 1, "per_device_batch_size must be positive, got -2.0"),
+    (["per_device_batch_size=-2"], 1, "per_device_batch_size must be in (0, inf), got -2.0"),
     (["head_dim=0"], 1, "head_dim must be positive, got 0"),
     (["dropout_rate=1"], 1, "dropout_rate must be in [0, 1), got 1.0"),
     (["learning_rate_schedule_steps=0"], 1, "learning_rate_schedule_steps must be positive, or -1 for steps, got 0"),

@@ -91,9 +91,9 @@ def test_remat_policies_do_not_change_numbers(policy, no_remat_reference):
   loss, grads = _loss_and_grads(make_config("model_name=tiny", f"remat_policy={policy}"), params, batch)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
   # Recomputed activations are rounded as XLA fuses them, so a gradient near zero may differ by a few float32 ulps of
-  # the gradients' scale (measured: up to 1.3e-6 where the entries reach 2.6); a wrong recomputation is off by O(1).
+  # its tensor's scale (measured: up to 1.3e-6 where the entries reach 2.6); a wrong recomputation is off by O(1).
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
 def _reference_attention(q, k, v, segment_ids):

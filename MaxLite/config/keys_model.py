@@ -6,7 +6,6 @@ comment (tests/test_schema.py holds the two equal). `schema.py` composes these g
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -390,7 +389,6 @@ class MoEGeneral(BaseModel):
   load_balance_loss_weight: float = Field(
     0.01,
     ge=0,
-    lt=math.inf,
     description=(
       "weight of the MoE load-balancing loss added to the training loss: MaxText's (num_experts^2 * "
       "mean(density * router prob) per sequence, top_k when balanced; mean over layers), so the same "

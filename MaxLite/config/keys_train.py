@@ -53,7 +53,7 @@ class Optimizer(BaseModel):
     gt=0,
     description="microbatches per optimizer step; the step sees the same global batch",
   )
-  learning_rate: float = Field(0.003, gt=0, lt=math.inf, description="peak learning rate")
+  learning_rate: float = Field(0.003, gt=0, description="peak learning rate")
   warmup_steps_fraction: float = Field(
     0.1,
     ge=0,
@@ -69,17 +69,14 @@ class Optimizer(BaseModel):
   learning_rate_schedule_steps: int = Field(-1, description="length of warmup+cosine schedule; -1 = steps")
   adam_b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
   adam_b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
-  adam_eps: float = Field(1e-08, gt=0, lt=math.inf, description="AdamW epsilon")
-  adam_weight_decay: float = Field(
-    0.1, ge=0, lt=math.inf, description="AdamW decoupled weight decay (not applied to norm scales)"
-  )
+  adam_eps: float = Field(1e-08, gt=0, description="AdamW epsilon")
+  adam_weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not applied to norm scales)")
   gradient_clipping_threshold: float = Field(
-    1.0, ge=0, lt=math.inf, description="global-norm clipping; 0 disables (negative is refused)"
+    1.0, ge=0, description="global-norm clipping; 0 disables (negative is refused)"
   )
   z_loss_multiplier: float = Field(
     0.0,
     ge=0,
-    lt=math.inf,
     description="weight of the z-loss (log Z)^2 term that keeps logits from drifting",
   )
 

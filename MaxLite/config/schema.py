@@ -118,12 +118,12 @@ _BOUNDED = tuple(key for key in FIELDS if value_range(key) is not None)
 
 
 def range_text(key: str) -> str | None:
-  """The key's bounds as an interval, "(0, inf)", "[0, 1)"; "positive" for a bare gt=0."""
+  """The key's bounds as an interval, "(0, inf)", "[0, 1)"; "positive" for a count (an int key above 0)."""
   bounds = value_range(key)
   if bounds is None:
     return None
   low, high, low_in, high_in = bounds
-  if (low, low_in, high) == (0, False, math.inf) and len(FIELDS[key].metadata) == 1:
+  if (low, low_in, high) == (0, False, math.inf) and base_type(key) is int:
     return "positive"
   return f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
 
