@@ -99,6 +99,10 @@ def test_mesh_fill_and_derived_values():
     (["remat_policy=sometimes"], 1, "remat_policy='sometimes' is not one of"),
     (["model_name=llama9"], 1, "unknown model_name 'llama9'"),
     (["dtype=float16"], 1, "dtype='float16' is not one of"),
+    # a closed key's note on the values MaxText has and MaxLite has not
+    (["quantization=int4"], 1, "is not one of: '', 'int8', 'fp8', 'fp8_full' (Qwix's quantized training; int4 and"),
+    (["dataset_type=hf"], 1, "dataset_type='hf' is not one of: 'synthetic', 'grain' (MaxText's hf and tfds pipelines"),
+    (["attention=cudnn_flash_te"], 1, "'cudnn_flash_jax' (MaxText's cudnn_flash_te (Transformer Engine), paged"),
     (["tokenizer_type=bpe"], 1, "tokenizer_type='bpe' is not one of: 'sentencepiece', 'huggingface', 'tiktoken'"),
     (
       ["max_target_length=30", "ici_sequence_parallelism=4", "ici_fsdp_parallelism=2"],

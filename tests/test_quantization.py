@@ -212,7 +212,8 @@ def _int8_dots(config, n):
   [
     (
       ("quantization=int4", "use_qwix_quantization=true"),
-      "quantization='int4' is not one of: '', 'int8', 'fp8', 'fp8_full'",
+      "quantization='int4' is not one of: '', 'int8', 'fp8', 'fp8_full' (Qwix's quantized training; int4 and MaxText's "
+      "other modes are not supported)",
     ),
     (("quantization=int8",), "quantization=int8 needs use_qwix_quantization=true"),
     (

@@ -136,6 +136,8 @@ def test_describe_prints_type_default_allowed_and_description(capsys):
   assert code == 0
   assert "type:        string" in out and "default:     'float32'" in out
   assert "allowed:     'float32' | 'bfloat16'" in out and "activation / compute dtype" in out
+  code, out, _ = _tool(["train.py", "--describe", "quantization"], capsys)
+  assert code == 0 and "  not here:    Qwix's quantized training; int4 and MaxText's other modes" in out
   code, out, _ = _tool(["train.py", "--describe=Checkpointing"], capsys)
   assert code == 0 and "  checkpoint_period (int, default 100): save after every N-th step" in out
 
@@ -244,8 +246,10 @@ def test_every_closed_key_is_checked_on_a_config_built_in_code():
 
   for key, value in (("quantization", "int4"), ("lora_weight_qtype", "fp4"), ("query_proj", "disk")):
     raw = loader.load_raw(["configs/base.yml"]) | {key: value}
-    with pytest.raises(ConfigError, match=rf"^{key}='{value}' is not one of: "):
+    with pytest.raises(ConfigError, match=rf"^{key}='{value}' is not one of: ") as caught:
       validation.validate_and_derive(raw, num_devices=1, num_slices=1, process_count=1, platform="cpu")
+    # the Field's note on unsupported values comes along on this path too
+    assert ("int4 and MaxText's other modes are not supported" in str(caught.value)) == (key == "quantization")
 
 
 # `config.key` is typed for editors: Config declares every key's type, and reads stay as they were.

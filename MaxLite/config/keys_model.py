@@ -199,6 +199,7 @@ class Quantization(BaseModel):
   quantization: QuantizationType = Field(
     "",
     description='"" (off) | int8 | fp8 (e4m3 both ways) | fp8_full (e4m3 forward, e5m2 gradients)',
+    json_schema_extra={"unsupported": "Qwix's quantized training; int4 and MaxText's other modes are not supported"},
   )
   use_qwix_quantization: bool = Field(
     False,
@@ -275,6 +276,10 @@ class SplashAttention(BaseModel):
       "autoselected (splash on TPU, cudnn on GPU, dot_product on CPU) | dot_product | splash | cudnn "
       '(MaxText\'s "flash" = splash, "cudnn_flash_jax" = cudnn); splash off TPU runs interpreted'
     ),
+    json_schema_extra={
+      "unsupported": "MaxText's cudnn_flash_te (Transformer Engine), paged and vllm_rpa kernels are not in MaxLite: "
+      "cudnn is cuDNN's fused attention through jax"
+    },
   )
   sa_block_q: int = Field(
     512,

@@ -110,6 +110,10 @@ class Dataset(BaseModel):
   dataset_type: DatasetType = Field(
     "grain",
     description="grain (ArrayRecord, Parquet or JSONL files) | synthetic (generated, learnable sequences)",
+    json_schema_extra={
+      "unsupported": "MaxText's hf and tfds pipelines are not in MaxLite: save the data set as Parquet or JSONL, or "
+      "as ArrayRecord with prepare_data.py, and read it with grain"
+    },
   )
   synthetic_tokens: SyntheticTokens = Field(
     "patterns",

@@ -20,7 +20,7 @@ import math
 import os
 import textwrap
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pydantic
@@ -99,6 +99,20 @@ def allowed_values(key: str) -> tuple[Any, ...] | None:
   """The closed set of values a key takes (its Literal), or None where any value of its type goes."""
   annotation = FIELDS[key].annotation
   return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+
+
+def unsupported_note(key: str) -> str | None:
+  extra = FIELDS[key].json_schema_extra if key in FIELDS else None
+  return extra.get("unsupported") if isinstance(extra, dict) else None
+
+
+def not_one_of(key: str, value: Any, choices: Sequence[Any]) -> ConfigError:
+  """The one line for a value outside a closed set, with the Field's `unsupported` note (json_schema_extra) when it
+  has one: what the user probably meant and why MaxLite has no such value."""
+  note = unsupported_note(key)
+  return ConfigError(
+    f"{key}={value!r} is not one of: {', '.join(repr(x) for x in choices)}" + (f" ({note})" if note else "")
+  )
 
 
 def value_range(key: str) -> tuple[float, float, bool, bool] | None:
@@ -211,7 +225,7 @@ def coerce(key: str, value: Any, source: str) -> Any:
     value = list(value)
   choices = allowed_values(key)
   if choices is not None and value not in choices:
-    raise ConfigError(f"{key}={value!r} is not one of: {', '.join(repr(x) for x in choices)}")
+    raise not_one_of(key, value, choices)
   try:
     value = _adapter(key).validate_python(value)  # list items: list[str], list[float] ("1e-3" becomes 0.001)
   except pydantic.ValidationError:
@@ -236,6 +250,8 @@ def describe_key(key: str) -> str:
     lines.append("  allowed:     " + "\n               ".join(wrapped))
   if range_text(key) is not None:
     lines.append(f"  allowed:     {range_text(key)}")
+  if unsupported_note(key):
+    lines.append("  not here:    " + "\n               ".join(textwrap.wrap(unsupported_note(key), 104)))
   wrapped = textwrap.wrap(field.description or "", 104)
   lines.append("  description: " + "\n               ".join(wrapped))
   return "\n".join(lines)

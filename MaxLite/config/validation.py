@@ -87,7 +87,7 @@ def _check_choices(c: dict[str, Any]) -> None:
   closed["decoder_block"] = families.decoder_blocks()
   for key, choices in closed.items():
     if c[key] not in choices:
-      raise ConfigError(f"{key}={c[key]!r} is not one of: {', '.join(repr(x) for x in choices)}")
+      raise schema.not_one_of(key, c[key], choices)
   if list(c["mlp_activations"]) not in (["silu", "linear"], ["gelu", "linear"]):
     raise ConfigError(
       f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU) or "
