@@ -174,6 +174,7 @@ def test_maxlite_train_describe_runs_as_a_command():
     (["configs/base.yml"], 1, "cpu"),
     (["configs/base.yml", "model_name=tiny-deepseek", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"], 8, "tpu"),
     (["configs/base.yml", "model_name=tiny-gemma3", "ensemble_size=2", "ensemble_data=distinct"], 2, "gpu"),
+    (["configs/base.yml", "use_grpo=true", "num_generations=4", "per_device_batch_size=8"], 1, "cpu"),
   ],
 )
 def test_every_derived_key_is_declared_with_its_type(argv, devices, platform):
@@ -257,8 +258,8 @@ def test_every_closed_key_is_checked_on_a_config_built_in_code():
 
 def test_config_declares_every_key_with_the_type_it_reads_as():
   hints = typing.get_type_hints(loader.Config)
-  for key, field in (schema.FIELDS | schema.DERIVED).items():
-    want = field.annotation
+  declared = {k: f.annotation for k, f in schema.FIELDS.items()} | {k: f.return_type for k, f in schema.DERIVED.items()}
+  for key, want in declared.items():
     if typing.get_origin(want) is list:  # a Config hands lists out as tuples
       want = tuple[typing.get_args(want)[0], ...]
     assert hints.get(key) == want, (key, hints.get(key), want)

@@ -304,7 +304,7 @@ class ConfigKeys:
 
   # Derived (`--describe Derived`)
   explicit_keys: tuple[str, ...]
-  data_kind: Literal["text", "chat", "prompt_completion", "preference"]
+  data_kind: Literal["text", "chat", "prompt_completion", "preference", "prompts"]
   num_devices: int
   process_count: int
   ici_mesh_shape: tuple[int, ...]
@@ -312,6 +312,8 @@ class ConfigKeys:
   mesh_shape: tuple[int, ...]
   batch_mesh_axes: tuple[str, ...]
   num_pipeline_stages: int
+  sequence_shards: int
+  activation_batch_shards: int
   micro_batch_size: int
   global_batch_size_to_train_on: int
   global_batch_size_to_load: int
@@ -321,8 +323,6 @@ class ConfigKeys:
   metrics_file: str
   vocab_slices: int
   mlp_chunks: int
-  sequence_shards: int
-  activation_batch_shards: int
   num_params: int
   moe_mlp_dim: int
   attention_kernel: Literal["dot_product", "splash", "cudnn"]

@@ -3,8 +3,8 @@
 Order of precedence (later wins): the `base_config:` chain, the YAML named on the command line,
 `configs/models/<model_name>.yml`, then command-line overrides. Every key must be defined in the schema
 (`schema.py`, which configs/base.yml mirrors), which also gives its default and type. Derived values (mesh shape,
-global batch, run directories, parameter count) are added by `validation.py`, so the rest of MaxLite
-reads a single object and never recomputes them.
+global batch, run directories, parameter count) are `keys_derived.Derived`'s computed fields, added by
+`validation.py` after its checks, so the rest of MaxLite reads a single object and never recomputes them.
 """
 
 from __future__ import annotations

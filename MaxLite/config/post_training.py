@@ -8,6 +8,7 @@ records whose first column is the prompt and whose other columns go to the rewar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from MaxLite.cli.errors import ConfigError
@@ -34,9 +35,16 @@ def data_kind(columns: tuple[str, ...] | list[str]) -> str:
   return "preference"
 
 
+def record_kind(c: Mapping[str, Any]) -> str:
+  """data_kind of a config `derive` checked: "prompts" for GRPO, else what the training columns hold."""
+  if c["use_grpo"]:
+    return "prompts"
+  return data_kind(c["train_data_columns"]) if c["use_sft"] or c["use_dpo"] else "text"
+
+
 def derive(c: dict[str, Any]) -> dict[str, Any]:
-  """train_data_columns / eval_data_columns with their defaults filled in, and data_kind; ConfigError (one line)
-  for a combination that cannot run."""
+  """train_data_columns / eval_data_columns with their defaults filled in (GRPO: its data files too); ConfigError
+  (one line) for a combination that cannot run."""
   if c["use_grpo"]:
     return _derive_grpo(c)
   if c["use_sft"] and c["use_dpo"]:
@@ -48,7 +56,7 @@ def derive(c: dict[str, Any]) -> dict[str, Any]:
     for key in ("use_chat_template", "sft_train_on_completion_only"):
       if c[key]:
         raise ConfigError(f"{key}=true needs use_sft=true or use_dpo=true (pretraining reads plain text)")
-    return {"data_kind": "text"}  # the text column is train_data_columns[0], else grain_text_column
+    return {}  # the text column is train_data_columns[0], else grain_text_column
   if c["dataset_type"] != "grain":
     raise ConfigError("use_sft/use_dpo read records from files: set dataset_type=grain (with grain_train_files)")
   allowed, what = (SFT_COLUMNS, "use_sft") if c["use_sft"] else (DPO_COLUMNS, "use_dpo")
@@ -74,7 +82,7 @@ def derive(c: dict[str, Any]) -> dict[str, Any]:
       raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {c['dpo_label_smoothing']}")
     if c["dpo_beta"] <= 0:
       raise ConfigError(f"dpo_beta must be positive, got {c['dpo_beta']}")
-  return {"train_data_columns": list(train), "eval_data_columns": list(evaluation), "data_kind": data_kind(train)}
+  return {"train_data_columns": list(train), "eval_data_columns": list(evaluation)}
 
 
 def _derive_grpo(c: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +92,7 @@ def _derive_grpo(c: dict[str, Any]) -> dict[str, Any]:
       raise ConfigError(f"use_grpo=true and {other}=true: choose one (SFT first, then GRPO from its checkpoint)")
   if c["dataset_type"] != "grain":
     raise ConfigError("use_grpo=true reads prompts from files: set dataset_type=grain (with grain_train_files)")
-  out: dict[str, Any] = {"data_kind": "prompts"}
+  out: dict[str, Any] = {}
   explicit = set(c.get("explicit_keys", ()))
   if "grain_train_files" not in explicit:
     out.update(grain_train_files=GRPO_SHIPPED_TRAIN, grain_file_type="jsonl")

@@ -1,83 +1,25 @@
-"""Validation of a merged config across its groups, and the values derived from it.
+"""Validation of a merged config across its groups, then its derived values.
 
 A key's own bounds sit on its Field (gt/ge/lt/le: `schema.check_range`) and a group's checks among its own keys are
 that group's model validator (keys_model.py, keys_train.py, keys_job.py); here are the checks that join several
-groups or need the devices (the mesh against the model, emergency checkpoints, vocab slices, GRPO's batch) and the
-derived values' math.
+groups or need the devices (the mesh against the model, emergency checkpoints, vocab tiling, GRPO's batch). The
+derived values are `keys_derived.Derived`'s computed fields, with their math.
 Every check raises ConfigError with one line naming the keys involved and what would be valid. Derived keys are added
 to the returned dict; they are not settable from YAML or the command line.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import re
 import types
-from collections.abc import Sequence
 from typing import Any
 
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import attention_choice, ensembles, families, post_training, schema
-from MaxLite.config.choices import (
-  AXIS_KEY,
-  LORA_DEFAULT_MODULES,
-  MESH_AXES,
-)
-
-
-def default_run_name() -> str:
-  """`run_name=""` becomes the start time; a multi-process job picks it once and shares it."""
-  return datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
-
-
-def resolve_parallelism(prefix: str, values: dict[str, int], total: int, what: str) -> dict[str, int]:
-  """Fill the single -1 in {axis: size} so the product equals `total`."""
-  keys = {axis: f"{prefix}_{AXIS_KEY[axis]}_parallelism" for axis in values}
-  for axis, value in values.items():
-    if value == 0 or value < -1:
-      raise ConfigError(f"{keys[axis]} must be a positive integer or -1, got {value}")
-  fill = [a for a, v in values.items() if v == -1]
-  if len(fill) > 1:
-    raise ConfigError(f"at most one {prefix}_*_parallelism may be -1, got {', '.join(keys[a] for a in fill)}")
-  known = math.prod(v for v in values.values() if v != -1)
-  shown = " x ".join(f"{keys[a]}={v}" for a, v in values.items() if v != 1) or "all 1"
-  if fill:
-    if total % known:
-      raise ConfigError(f"{prefix}_*_parallelism ({shown}) cannot fill {total} {what}: {known} does not divide {total}")
-    return {a: (total // known if v == -1 else v) for a, v in values.items()}
-  if known != total:
-    raise ConfigError(
-      f"{prefix}_*_parallelism product is {known} ({shown}) but there are {total} {what}; "
-      f"make the product {total} or set one of them to -1"
-    )
-  return dict(values)
-
-
-def _device_counts(num_devices: int | None, num_slices: int | None, process_count: int | None) -> tuple[int, int, int]:
-  if num_devices is None or num_slices is None or process_count is None:
-    import jax
-
-    devices = jax.devices()
-    num_devices = len(devices) if num_devices is None else num_devices
-    process_count = jax.process_count() if process_count is None else process_count
-    if num_slices is None:
-      num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-  return num_devices, num_slices, process_count
-
-
-def rule_mesh_axes(rules: Sequence[Sequence[Any]], logical: str) -> tuple[str, ...]:
-  """Mesh axes the first rule for `logical` maps it to (() when no rule names it)."""
-  for name, axes in rules:
-    if name == logical:
-      return tuple([axes] if isinstance(axes, str) else axes or ())
-  return ()
-
-
-def _activation_shards(rules: Sequence[Sequence[Any]], logical: str, mesh: dict[str, int]) -> int:
-  """How many ways the logical activation axis `logical` is split under `rules` on this mesh."""
-  return math.prod(mesh[a] for a in rule_mesh_axes(rules, logical))
+from MaxLite.config import ensembles, families, post_training, schema
+from MaxLite.config.choices import LORA_DEFAULT_MODULES, MESH_AXES
+from MaxLite.config.keys_derived import Derived, Devices, moe_mlp_dim
 
 
 def _check_choices(c: dict[str, Any]) -> None:
@@ -213,21 +155,6 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
     )
 
 
-def _check_megablox(c: dict[str, Any], platform: str) -> bool:
-  """megablox as this run uses it: base.yml's default (true, MaxText's) means the TPU kernel where it runs and
-  jax.lax.ragged_dot on a GPU; set explicitly on a GPU it is refused."""
-  if not (c["megablox"] and c["sparse_matmul"]) or c["num_experts"] == 1:
-    return c["megablox"]
-  if platform not in ("tpu", "cpu"):
-    if "megablox" not in c.get("explicit_keys", ()):
-      return False
-    raise ConfigError(
-      f"megablox=true is a TPU kernel (interpreted on CPU for tests); this run's devices are {platform}: "
-      "use megablox=false (jax.lax.ragged_dot)"
-    )
-  return True
-
-
 def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
   n = c["num_vocab_tiling"]
   if n > 1 and c["final_logits_soft_cap"] > 0:
@@ -239,78 +166,10 @@ def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
     )
 
 
-# Above this many bytes of logits per device the head and its loss work a vocabulary slice at a time (auto):
-# on a pod slice the head's whole weights, its logits, their gradient and the head's unreduced weight gradient are
-# then 1/n as large. MaxText's v5e 32B recipe (500 MiB of bfloat16 logits per chip) drops from 16.33 to 15.13 GiB.
-AUTO_SLICE_LOGITS_BYTES = 256 * 2**20
-
-
-def _vocab_slices(c: dict[str, Any], micro_batch: int, num_devices: int) -> int:
-  """num_vocab_slices resolved; -1 = the fewest power-of-2 slices with at most AUTO_SLICE_LOGITS_BYTES of logits."""
-  n, vocab = c["num_vocab_slices"], c["vocab_size"]
-  if n == -1:
-    if c["num_vocab_tiling"] > 1 or c["use_dpo"] or c["final_logits_soft_cap"] > 0:
-      return 1
-    float32 = c["logits_dot_in_fp32"] or c["dtype"] == "float32"
-    # An ensemble's devices hold every member's logits.
-    rows = micro_batch * c["ensemble_size"]
-    logits_bytes = rows * c["max_target_length"] * vocab * (4 if float32 else 2) / num_devices
-    n = 1
-    while logits_bytes / n > AUTO_SLICE_LOGITS_BYTES and vocab % (2 * n) == 0:
-      n *= 2
-    return n
-  if n < 1 or vocab % n:
-    raise ConfigError(f"num_vocab_slices={n} must be -1 (auto) or a positive divisor of vocab_size={vocab}")
-  if n > 1 and c["num_vocab_tiling"] > 1:
-    raise ConfigError(
-      f"num_vocab_slices={n} and num_vocab_tiling={c['num_vocab_tiling']} split the logits two ways; "
-      "set one of them to 1"
-    )
-  if n > 1 and c["final_logits_soft_cap"] > 0:
-    raise ConfigError(f"final_logits_soft_cap > 0 needs num_vocab_slices=1 or -1, got {n} (the cap is on whole logits)")
-  if n > 1 and c["use_dpo"]:
-    raise ConfigError(f"use_dpo=true needs num_vocab_slices=1 or -1, got {n} (DPO sums log-probabilities per response)")
-  return n
-
-
-def _mlp_chunks(c: dict[str, Any], sequence_shards: int) -> int:
-  n, seq = c["num_mlp_chunks"], c["max_target_length"]
-  if n < 1 or seq % (n * sequence_shards):
-    raise ConfigError(
-      f"num_mlp_chunks={n} must be a positive number that divides max_target_length={seq} / "
-      f"sequence parallelism {sequence_shards} (each part is 1/{n} of every sequence shard)"
-    )
-  return n
-
-
-def _pipeline_microbatches(c: dict[str, Any], stages: int, micro_batch: int, batch_shards: int) -> int:
-  n = c["num_pipeline_microbatches"]
-  if n == -1:
-    n = stages
-  if n <= 0:
-    raise ConfigError(f"num_pipeline_microbatches must be positive or -1 (= number of stages), got {n}")
-  if stages > 1 and (micro_batch % n or (micro_batch // n) % batch_shards):
-    raise ConfigError(
-      f"batch {micro_batch} cannot be split into num_pipeline_microbatches={n} microbatches that "
-      f"each divide over the {batch_shards} batch shards; use a multiple of {n * batch_shards}"
-    )
-  return n
-
-
 def _check_model_features(c: dict[str, Any]) -> None:
   families.family(c["decoder_block"]).check(c)
   if c["fused_mlp"] and c["num_experts"] > 1:
     raise ConfigError("fused_mlp=true fuses the dense MLP's kernels; with num_experts > 1 there is none, set it false")
-
-
-def moe_mlp_dim(c: dict[str, Any]) -> int:
-  return c["base_moe_mlp_dim"] if c["base_moe_mlp_dim"] > 0 else c["base_mlp_dim"]
-
-
-def parameter_count(c: dict[str, Any]) -> int:
-  """Exact number of parameters of the decoder, counted by its family (tested against the real model and
-  transformers' own)."""
-  return families.family(c["decoder_block"]).parameter_count(c)
 
 
 def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> None:
@@ -334,43 +193,6 @@ def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> Non
     )
 
 
-def _mesh_axes(c: dict[str, Any], num_devices: int, detected_slices: int) -> tuple[int, dict, dict]:
-  """(slices, ici sizes, dcn sizes) per mesh axis, the -1 entries filled in."""
-  dcn = {a: c[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
-  slices = c["num_slices"]
-  if slices == -1:
-    slices = detected_slices if detected_slices > 1 or -1 in dcn.values() else math.prod(dcn.values())
-  if slices <= 0 or num_devices % slices:
-    raise ConfigError(f"num_slices={slices} must be positive and divide the {num_devices} devices")
-  dcn = resolve_parallelism("dcn", dcn, slices, "slices")
-  ici = resolve_parallelism(
-    "ici", {a: c[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}, num_devices // slices, "devices per slice"
-  )
-  return slices, ici, dcn
-
-
-def _micro_batch(c: dict[str, Any], num_devices: int, mesh: dict[str, int]) -> tuple[int, tuple, int]:
-  """(sequences per microbatch, the mesh axes the batch is split on, their product). An ensemble's devices are
-  shared by its members: each member's batch is per_device_batch_size on each of the devices it spans."""
-  devices = num_devices // mesh["ensemble"]
-  micro_batch = c["per_device_batch_size"] * devices
-  if not float(micro_batch).is_integer() or micro_batch < 1:
-    raise ConfigError(
-      f"per_device_batch_size={c['per_device_batch_size']} x {devices} devices = {micro_batch} "
-      "is not a whole number of sequences"
-    )
-  micro_batch = int(micro_batch)
-  batch_axes = rule_mesh_axes(c["logical_axis_rules"], "activation_batch")
-  batch_shards = math.prod(mesh[a] for a in batch_axes)
-  if micro_batch % batch_shards:
-    raise ConfigError(
-      f"batch {micro_batch} (per_device_batch_size={c['per_device_batch_size']} x "
-      f"{devices} devices) is not divisible by the {batch_shards} batch shards "
-      f"({' x '.join(f'{a}={mesh[a]}' for a in batch_axes)})"
-    )
-  return micro_batch, batch_axes, batch_shards
-
-
 def _check_grpo_batch(c: dict[str, Any], mesh: dict[str, int], global_batch: int) -> None:
   """A GRPO batch is whole groups of num_generations completions, sampled on the training mesh (no pipeline)."""
   if not c["use_grpo"]:
@@ -386,6 +208,32 @@ def _check_grpo_batch(c: dict[str, Any], mesh: dict[str, int], global_batch: int
     )
 
 
+def _devices(
+  num_devices: int | None, num_slices: int | None, process_count: int | None, platform: str | None
+) -> Devices:
+  """The job's devices as the caller names them; what it leaves None is read from jax."""
+  gpu_capability = ""
+  if None in (num_devices, num_slices, process_count, platform):
+    import jax
+
+    devices = jax.devices()
+    num_devices = len(devices) if num_devices is None else num_devices
+    process_count = jax.process_count() if process_count is None else process_count
+    if num_slices is None:
+      num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if platform is None:
+      platform = jax.default_backend()
+      if platform in ("gpu", "cuda"):
+        gpu_capability = getattr(devices[0], "compute_capability", "")
+  return Devices(
+    num_devices=num_devices,
+    detected_slices=num_slices,
+    process_count=process_count,
+    platform=platform,
+    gpu_capability=gpu_capability,
+  )
+
+
 def validate_and_derive(
   c: dict[str, Any],
   *,
@@ -394,7 +242,8 @@ def validate_and_derive(
   process_count: int | None = None,
   platform: str | None = None,
 ) -> dict[str, Any]:
-  """`platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
+  """The checked config with the values this run resolves and the derived keys (`keys_derived.Derived`'s computed
+  fields). `platform` (cpu, tpu, gpu) decides what attention=autoselected means; None = this process's jax backend."""
   c = dict(c)
   _check_choices(c)
   # Each key's bounds (its Field's; values set in a file were checked as read), then each group's own checks (its
@@ -406,69 +255,11 @@ def validate_and_derive(
   _check_model_features(c)
   _check_qlora_tiles(c)
   c.update(ensembles.check(c))
-  num_devices, detected_slices, process_count = _device_counts(num_devices, num_slices, process_count)
-  slices, ici, dcn = _mesh_axes(c, num_devices, detected_slices)
-  mesh = {a: ici[a] * dcn[a] for a in MESH_AXES}
+  derived = Derived(keys=c, devices=_devices(num_devices, num_slices, process_count, platform))
+  mesh = derived.mesh  # ici/dcn_*_parallelism that do not fill the devices stop here
   _check_model_vs_mesh(c, mesh)
   _check_emergency_checkpoints(c, mesh)
   ensembles.check_mesh(c, mesh)
-  micro_batch, batch_axes, batch_shards = _micro_batch(c, num_devices, mesh)
-  microbatches = _pipeline_microbatches(c, mesh["stage"], micro_batch, batch_shards)
-  _check_grpo_batch(c, mesh, micro_batch * c["gradient_accumulation_steps"])
-  gpu_capability = ""
-  if platform is None:
-    import jax
-
-    platform = jax.default_backend()
-    if platform in ("gpu", "cuda"):
-      gpu_capability = getattr(jax.devices()[0], "compute_capability", "")
-  sequence_shards = _activation_shards(c["logical_axis_rules"], "activation_length", mesh)
-  head_shards = _activation_shards(c["logical_axis_rules"], "activation_heads", mesh)
-  kernel, kernel_reason = attention_choice.choose_attention(c, platform, sequence_shards, head_shards, gpu_capability)
-  max_segments, attention_segments = attention_choice.segments_per_row(c, kernel)
-  _check_vocab_tiling(c, sequence_shards)
-  c["megablox"] = _check_megablox(c, platform)
-
-  run_name = c["run_name"] or default_run_name()
-  run_dir = storage.join(storage.absolute(c["base_output_directory"]), run_name)
-  # A GRPO step makes num_iterations optimizer updates on its batch of completions.
-  updates = c["steps"] * (c["num_iterations"] if c["use_grpo"] else 1)
-  schedule_steps = updates if c["learning_rate_schedule_steps"] == -1 else c["learning_rate_schedule_steps"]
-  c.update(
-    run_name=run_name,
-    learning_rate_schedule_steps=schedule_steps,
-    num_devices=num_devices,
-    num_slices=slices,
-    process_count=process_count,
-    ici_mesh_shape=[ici[a] for a in MESH_AXES],
-    dcn_mesh_shape=[dcn[a] for a in MESH_AXES],
-    mesh_shape=[mesh[a] for a in MESH_AXES],
-    batch_mesh_axes=list(batch_axes),
-    num_pipeline_stages=mesh["stage"],
-    num_pipeline_microbatches=microbatches,
-    # One optimizer step sees gradient_accumulation_steps microbatches of micro_batch_size each.
-    micro_batch_size=micro_batch,
-    global_batch_size_to_train_on=micro_batch * c["gradient_accumulation_steps"],
-    # Rows the input pipeline reads per step: with ensemble_data=distinct every member gets a batch of its own.
-    global_batch_size_to_load=micro_batch
-    * c["gradient_accumulation_steps"]
-    * (c["ensemble_size"] if c["ensemble_data"] == "distinct" else 1),
-    run_dir=run_dir,
-    tensorboard_dir=storage.join(run_dir, "tensorboard"),
-    checkpoint_dir=storage.join(run_dir, "checkpoints"),
-    metrics_file=storage.join(run_dir, "metrics.jsonl"),
-    vocab_slices=_vocab_slices(c, micro_batch, num_devices),
-    mlp_chunks=_mlp_chunks(c, sequence_shards),
-    sequence_shards=sequence_shards,  # how many pieces activation_length is split into
-    activation_batch_shards=_activation_shards(c["logical_axis_rules"], "activation_batch", mesh),
-    num_params=parameter_count(c),
-    moe_mlp_dim=moe_mlp_dim(c),
-    attention_kernel=kernel,
-    attention_choice=kernel_reason,
-    max_segments_per_seq=max_segments,
-    attention_segments=attention_segments,
-    # Off TPU the splash kernel runs in Pallas interpret mode (same numerics, for tests and CPU runs).
-    attention_interpret=kernel == "splash" and platform != "tpu",
-    megablox_interpret=c["megablox"] and platform != "tpu",  # Pallas interpret mode: same numerics, slower
-  )
-  return c
+  _check_grpo_batch(c, mesh, derived.global_batch_size_to_train_on)
+  _check_vocab_tiling(c, derived.sequence_shards)
+  return c | derived.resolved_keys() | derived.model_dump()

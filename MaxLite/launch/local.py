@@ -25,7 +25,7 @@ from typing import IO
 from MaxLite import cli, storage
 from MaxLite import config as config_lib
 from MaxLite.cli.errors import UsageError
-from MaxLite.config import validation
+from MaxLite.config.keys_derived import default_run_name
 
 TAIL_LINES = 20
 # train.py of this installation (checkout or installed package), run as documented; `ps` shows train.py.
@@ -242,7 +242,7 @@ def run(argv: Sequence[str], doc: str) -> int:
   train_args = list(args.train_args)
   run_name = raw["run_name"]
   if not run_name:  # one name for every process (and for the log folder)
-    run_name = validation.default_run_name()
+    run_name = default_run_name()
     train_args.append(f"run_name={run_name}")
   log_dir = args.log_dir or storage.join(storage.absolute(raw["base_output_directory"]), run_name, "logs")
   if not storage.is_url(log_dir):

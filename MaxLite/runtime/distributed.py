@@ -17,7 +17,7 @@ import jax
 from absl import logging
 
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import validation
+from MaxLite.config.keys_derived import default_run_name
 from MaxLite.runtime.platforms import tpu_chips_present
 
 # JAX's own deadline is set this much later than ours, so our clear message wins the race against
@@ -112,6 +112,6 @@ def shared_run_name(raw: dict[str, Any]) -> None:
     return
   key = "maxlite/run_name"
   if jax.process_index() == 0:
-    coordination_client().key_value_set(key, validation.default_run_name())
+    coordination_client().key_value_set(key, default_run_name())
   timeout_ms = 1000 * raw["jax_distributed_initialization_timeout"]
   raw["run_name"] = coordination_client().blocking_key_value_get(key, timeout_ms)
