@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 
 from MaxLite import cli
-from MaxLite.checkpoint.info import describe
 
 
 def run(argv: Sequence[str]) -> None:
@@ -20,6 +19,8 @@ def run(argv: Sequence[str]) -> None:
   parser.add_argument("path", help="run directory, its checkpoints/ directory or a step directory")
   parser.add_argument("--step", type=int, default=None, help="default: the latest complete step")
   args = parser.parse_args(argv)
+  from MaxLite.checkpoint.info import describe  # after the flags: --help and a bad flag answer without orbax
+
   print(describe(args.path, args.step))
 
 

@@ -14,15 +14,35 @@ Model settings come from the checkpoint. Several prompts separated by " ||| " de
 collection, [batch, max_target_length, kv_heads, head_dim] per layer, sharded by the logical rules.
 """
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 from MaxLite import cli
 from MaxLite.config import schema
-from MaxLite.inference.generate import generate, run, sample
+
+if TYPE_CHECKING:
+  from MaxLite.inference.generate import generate, run, sample
 
 __all__ = ["generate", "main", "run", "sample"]
 
 
+def __getattr__(name: str) -> Any:
+  # inference.generate's, imported when first read: --help and a usage error answer without starting jax.
+  if name in ("generate", "run", "sample"):
+    from MaxLite.inference import generate
+
+    return getattr(generate, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _run(argv: Sequence[str]) -> int | None:
+  from MaxLite.inference.generate import run
+
+  return run(argv)
+
+
 def main() -> None:
-  cli.run_config_tool(run, __doc__, keys=schema)
+  cli.run_config_tool(_run, __doc__, keys=schema)
 
 
 if __name__ == "__main__":

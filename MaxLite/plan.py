@@ -24,13 +24,14 @@ from absl import flags
 
 from MaxLite import cli
 from MaxLite.config import schema
-from MaxLite.planning import planner
 
 _EXPLAIN = flags.DEFINE_integer("explain", 0, "print the time and memory breakdown of plan N of the table")
 _OUTPUT = flags.DEFINE_string("plan_output", "", "where to write the best plan (default plans/<model>-<topology>.yml)")
 
 
 def run(argv: Sequence[str]) -> int:
+  from MaxLite.planning import planner  # here: --help and a usage error answer without starting jax
+
   return planner.run(argv, explain_plan=_EXPLAIN.value, plan_output=_OUTPUT.value)
 
 
