@@ -17,8 +17,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, Protocol
 
-from absl import app, flags, logging
-
 from MaxLite.cli.errors import MaxLiteError, UsageError
 
 BAD_INPUT = 2
@@ -83,6 +81,10 @@ def run_config_tool(
 ) -> NoReturn:
   """Runs a `CONFIG.yml [key=value ...]` tool under absl and exits with its code. With `keys`, --help lists the
   config keys by concern and `--describe KEY` prints one."""
+  # absl here, not at the top: every MaxLite process imports this package (its errors), the one that only re-execs
+  # itself under tcmalloc included.
+  from absl import app, flags, logging
+
   argv = list(sys.argv if argv is None else argv)
   program = os.path.basename(argv[0]) if argv else "maxlite"
   if any(arg in HELP_FLAGS for arg in argv[1:]):

@@ -5,20 +5,11 @@ names; `loader` reads and types the keys; `validation` checks them and derives t
 directories); `attention_choice` and `splash_blocks` decide the attention kernel and its tiles at load time.
 """
 
-from MaxLite.config.loader import (
-  BASE_CONFIG_PATH,
-  MODEL_KEYS,
-  Config,
-  available_models,
-  build,
-  checkpoint_model_settings,
-  coerce,
-  load_config,
-  load_raw,
-  parse_overrides,
-)
+from typing import Any
 
-__all__ = [
+# The loader's names, imported at first use: `MaxLite` imports this package for `families` in every process, the
+# one that only re-execs itself under tcmalloc included, which should not pay for pydantic and the schema (0.12 s).
+_LOADER_NAMES = (
   "BASE_CONFIG_PATH",
   "MODEL_KEYS",
   "Config",
@@ -29,4 +20,13 @@ __all__ = [
   "load_config",
   "load_raw",
   "parse_overrides",
-]
+)
+__all__ = list(_LOADER_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+  if name in _LOADER_NAMES:
+    from MaxLite.config import loader
+
+    return getattr(loader, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
