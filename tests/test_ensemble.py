@@ -325,7 +325,7 @@ def test_one_member_is_read_alone(tmp_path):
     (("ensemble_size=2", "ensemble_member=1"), "ensemble_member=1 without load_parameters_path: it picks a member"),
     (("ensemble_learning_rates=[1e-3]",), "ensemble_learning_rates has 1 values but ensemble_size=1"),
     (("ensemble_member=-2",), "ensemble_member=-2 is out of range"),
-    (("ensemble_size=2", "ensemble_data=shuffled"), "ensemble_data='shuffled' is not one of: same, distinct"),
+    (("ensemble_size=2", "ensemble_data=shuffled"), "ensemble_data='shuffled' is not one of: 'same', 'distinct'"),
     (("ensemble_size=2", "enable_lora=true"), "ensemble_size=2 with enable_lora=true: LoRA is not supported"),
   ],
 )

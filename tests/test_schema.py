@@ -86,6 +86,7 @@ def test_literals_are_the_choices_lists():
     "grain_file_type": choices.FILE_TYPES,
     "tokenizer_type": choices.TOKENIZER_TYPES,
     "lora_weight_qtype": choices.LORA_WEIGHT_QTYPES,
+    "ensemble_data": choices.ENSEMBLE_DATA,
     "profiler": choices.PROFILERS,
     "decode_sampling_strategy": choices.DECODE_SAMPLING_STRATEGIES,
     "loss_algo": choices.GRPO_LOSS_ALGOS,

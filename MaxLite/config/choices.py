@@ -32,6 +32,7 @@ DATASET_TYPES = ("synthetic", "grain")
 SYNTHETIC_TOKENS = ("patterns", "uniform")
 TOKENIZER_TYPES = ("sentencepiece", "huggingface", "tiktoken")  # MaxText's names
 FILE_TYPES = ("arrayrecord", "parquet", "jsonl")  # grain_file_type
+ENSEMBLE_DATA = ("same", "distinct")
 FILE_SUFFIXES = {"arrayrecord": ".array_record", "parquet": ".parquet", "jsonl": ".jsonl"}
 # The attention key's values; MaxText's spellings map onto MaxLite's (flash is its TPU splash kernel).
 ATTENTION = ("autoselected", "dot_product", "splash", "cudnn", "flash", "cudnn_flash_jax")

@@ -178,7 +178,7 @@ class ConfigKeys:
   # Ensemble (`--describe Ensemble`)
   ensemble_size: int
   ensemble_learning_rates: tuple[float, ...]
-  ensemble_data: str
+  ensemble_data: Literal["same", "distinct"]
   ensemble_member: int
 
   # Dataset (`--describe Dataset`)

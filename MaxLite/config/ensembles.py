@@ -12,7 +12,6 @@ from typing import Any
 
 from MaxLite.cli.errors import ConfigError
 
-ENSEMBLE_DATA = ("same", "distinct")
 # What one program of K members cannot run yet: each of these shards or transforms the step in a way the member axis
 # has not been tested with, so it is refused up front rather than trusted.
 _UNSUPPORTED = (
@@ -37,11 +36,7 @@ def _rate(value: Any) -> float:
 def check(c: dict[str, Any]) -> dict[str, Any]:
   """ensemble_size, ensemble_data, ensemble_learning_rates and ensemble_member on their own (before the mesh); returns
   the learning rates as numbers."""
-  size = c["ensemble_size"]
-  if not isinstance(size, int) or size < 1:
-    raise ConfigError(f"ensemble_size must be a positive integer (members trained together), got {size!r}")
-  if c["ensemble_data"] not in ENSEMBLE_DATA:
-    raise ConfigError(f"ensemble_data={c['ensemble_data']!r} is not one of: same, distinct")
+  size = c["ensemble_size"]  # a positive int and ensemble_data one of its values: their Fields say so (schema.py)
   rates = list(c["ensemble_learning_rates"])
   if rates and size == 1:
     raise ConfigError(

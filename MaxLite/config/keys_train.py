@@ -20,6 +20,7 @@ DatasetType = Literal[choices.DATASET_TYPES]
 SyntheticTokens = Literal[choices.SYNTHETIC_TOKENS]
 FileType = Literal[choices.FILE_TYPES]
 LoraWeightQtype = Literal[choices.LORA_WEIGHT_QTYPES]
+EnsembleData = Literal[choices.ENSEMBLE_DATA]
 LossAlgo = Literal[choices.GRPO_LOSS_ALGOS]
 LossAggMode = Literal[choices.GRPO_LOSS_AGG_MODES]
 TokenizerType = Literal[choices.TOKENIZER_TYPES]
@@ -94,13 +95,16 @@ class Ensemble(BaseModel):
 
   ensemble_size: int = Field(
     1,
+    gt=0,
     description="members of this model trained in one program (seed or learning-rate sweeps)",
   )
   ensemble_learning_rates: list[float] = Field(
     [],
     description="one peak learning rate per member (then all members share the seeds)",
   )
-  ensemble_data: str = Field("same", description="same: every member sees the same batches | distinct: each its own")
+  ensemble_data: EnsembleData = Field(
+    "same", description="same: every member sees the same batches | distinct: each its own"
+  )
   ensemble_member: int = Field(-1, description="decode.py / to_hf: which member of an ensemble checkpoint to use")
 
 

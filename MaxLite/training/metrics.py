@@ -87,9 +87,8 @@ def _summary_writer(remote: bool) -> type:
   directory (`remote` false), google-cloud-storage (its gs:// writer; 0.15 s of requests and google-auth at every
   start). Each is hidden only for that import and only when nothing has imported it yet; a gs:// writer later in the
   same process gets the library back."""
-  hidden = [name for name in ("torch", "google.cloud.storage") if name not in sys.modules]
-  if remote and "google.cloud.storage" in hidden:
-    hidden.remove("google.cloud.storage")
+  unwanted = ("torch",) if remote else ("torch", "google.cloud.storage")
+  hidden = [name for name in unwanted if name not in sys.modules]
   for name in hidden:
     sys.modules[name] = None  # its import raises ImportError, which tensorboardX catches
   try:
