@@ -9,14 +9,25 @@ Runs on any machine: TPU targets need only the libtpu library (setup.sh puts it 
 never a TPU. Prints per-device memory (parameters, optimizer state, and the compiled program's
 argument / output / temporary bytes), the chip's HBM and whether the step fits, the compiled FLOPs
 next to MaxLite's own model-FLOPs formula, and a roofline step time. Exit code 0 = fits,
-3 = does not fit (the shortfall is printed), 2 = bad input.
+3 = does not fit (the shortfall is printed), 2 = bad input. The result also goes into plan.py's cache
+(plan_cache_dir): a plan search on the same keys starts from it instead of compiling the config again.
 """
 
+from collections.abc import Sequence
+
 from MaxLite import cli
-from MaxLite.aot.compile_step import DOES_NOT_FIT, run
+from MaxLite.aot import compile_step
+from MaxLite.aot.compile_step import DOES_NOT_FIT
 from MaxLite.config import schema
 
 __all__ = ["DOES_NOT_FIT", "main", "run"]
+
+
+def run(argv: Sequence[str]) -> int:
+  """Compile, report, and keep the result where plan.py looks first (its cache: the same keys compile once)."""
+  from MaxLite.planning import search
+
+  return compile_step.run(argv, after_compile=search.remember_compile)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -201,9 +202,20 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
   assert "costed on an assumption" not in again.stdout  # every loop and group of a real program was read
   assert _ranked_rows(again.stdout) == rows
 
+  # train_compile.py on the best plan keeps its compile in the plan cache, under the key the search gave that plan
+  # and with the search's own entry: a plan.py on the same keys compiles it no more. Checked on an emptied cache.
+  cache = tmp_path / "cache"
+  searched = {path.name: json.loads(path.read_text()) for path in cache.iterdir()}
+  shutil.rmtree(cache)
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   check = subprocess.run(
-    [sys.executable, "MaxLite/train_compile.py", str(tmp_path / "best.yml")],
+    [
+      sys.executable,
+      "MaxLite/train_compile.py",
+      str(tmp_path / "best.yml"),
+      f"plan_hbm_gib={hbm_gib}",
+      f"plan_cache_dir={cache}",
+    ],
     cwd=REPO,
     env=env,
     capture_output=True,
@@ -211,6 +223,10 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
     timeout=300,
   )
   assert check.returncode == 0 and "mesh fsdp=4 x tensor=2" in check.stdout, check.stdout + check.stderr[-2000:]
+  (kept,) = cache.iterdir()
+  assert kept.name in searched
+  entry, original = json.loads(kept.read_text()), searched[kept.name]
+  assert {**entry, "compile_s": 0} == {**original, "compile_s": 0}
   # plan.py and train_compile.py measure a plan's memory the same way (the compiler's allocation): what fits one
   needed = re.search(r"total needed\s+([\d.]+) (MiB|GiB) of device memory \(the compiler's", check.stdout)
   assert needed and float(needed.group(1)) * (1024 if needed.group(2) == "GiB" else 1) <= hbm_gib * 1024, check.stdout
@@ -225,10 +241,15 @@ def test_search_keeps_pins_ranks_only_fitting_plans_and_reuses_its_cache(tmp_pat
       r"model llama2-70b cannot fit on v5e-4: every plan needs at least [\d.]+ GiB per device .* it needs at least "
       r"\d+ chips \(v5e-\d+\)",
     ),
+    (
+      ["model_name=tiny", "compile_topology=cpu-8", "plan_time_budget_s=0", "plan_cache_dir={tmp}"],
+      r"plan_time_budget_s=0 compiles nothing and the plan cache \(.+\) holds none of these \d+ plans: give the "
+      r"search a budget, or compile the config first with train_compile.py",
+    ),
   ],
 )
-def test_impossible_requests_are_one_line(args, message):
-  done = _plan(*args, timeout=120)
+def test_impossible_requests_are_one_line(args, message, tmp_path):
+  done = _plan(*[a.format(tmp=tmp_path) for a in args], timeout=120)
   errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
   assert done.returncode == 2 and len(errors) == 1 and re.search(message, errors[0]), done.stderr[-2000:]
   assert "Traceback" not in done.stderr

@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import first_devices, make_config
+from conftest import REPO, first_devices, make_config
 from test_parallelism import DENSE, _losses, _run
 from test_parallelism import RUN as LAYOUT_RUN
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.layers.linears import DenseGeneral
 from MaxLite.layers.quantization import quantized
+from MaxLite.parallel import topologies
 from MaxLite.training.trainer import train
 
 qwix_core = pytest.importorskip("qwix._src.core.dot_general_qt")
@@ -261,14 +262,14 @@ def test_the_planner_costs_int8_dots_at_the_chips_int8_rate():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(topologies.find_libtpu(REPO) is None, reason="libtpu not installed (bash setup.sh)")
 def test_plan_searches_quantization_as_a_dimension(tmp_path):
-  """plan_quantizations=['', int8] ranks the same layout in bf16 and int8 side by side."""
+  """plan_quantizations=['', int8] ranks the same layout in bf16 and int8 side by side; compiled for TPU chips in
+  plan.py's worker processes (libtpu loaded there, as on a user's laptop)."""
   import subprocess
   import sys
 
-  from conftest import REPO
-
-  args = ["model_name=tiny", "compile_topology=cpu-8", "max_target_length=64", "ici_fsdp_parallelism=8"]
+  args = ["model_name=tiny", "compile_topology=v5e-8", "max_target_length=64", "ici_fsdp_parallelism=8"]
   args += ["ici_tensor_parallelism=1", "ici_data_parallelism=1", "ici_sequence_parallelism=1"]
   args += ["ici_pipeline_parallelism=1", "ici_expert_parallelism=1", "remat_policy=full", "per_device_batch_size=1"]
   args += ["attention=dot_product", "plan_quantizations=['',int8]", "plan_workers=1", f"plan_cache_dir={tmp_path}"]
@@ -335,7 +336,6 @@ def test_gpus_are_known_by_device_kind_with_their_fp8_and_int8_rates():
   """An H100 or H200 has fp8 and int8 tensor cores: quantization=fp8 there is no emulation (the warning said so on
   every GPU before); an A100 has int8 but no fp8. The chip's bf16 peak is what MFU is measured against."""
   from MaxLite.layers.quantization import native_path_note
-  from MaxLite.parallel import topologies
 
   h100 = topologies.accelerator_chip("gpu", "NVIDIA H100 80GB HBM3", {})
   h200 = topologies.accelerator_chip("cuda", "NVIDIA H200", {})

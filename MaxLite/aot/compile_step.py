@@ -12,7 +12,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from MaxLite import config as config_lib
@@ -287,7 +287,12 @@ def report(
   return "\n".join(lines), fits
 
 
-def run(argv: Sequence[str]) -> int:
+# Called with (config, num_slices, compiled step, bytes allocated or None, compile seconds) after a compile that fits
+# or not: train_compile.py hands the result to the planner's cache.
+AfterCompile = Callable[[Any, int, Any, int | None, float], object]
+
+
+def run(argv: Sequence[str], after_compile: AfterCompile | None = None) -> int:
   raw = config_lib.load_raw(argv)
   if not raw["compile_topology"]:
     raise ConfigError("compile_topology is empty; name a target such as compile_topology=v5p-128 or cpu-8")
@@ -299,16 +304,21 @@ def run(argv: Sequence[str]) -> int:
     raise ConfigError(f"compile_topology_num_slices must be >= 1 or -1, got {num_slices}")
   users_dump = buffer_report.dump_dir_in(os.environ.get("XLA_FLAGS", ""))
   if users_dump:  # the user's own XLA dump: read the reports from it, change nothing there
-    return _compile_and_report(raw, target, num_slices, users_dump, add_dump_flags=False)
+    return _compile_and_report(raw, target, num_slices, users_dump, after_compile, add_dump_flags=False)
   dump_dir = tempfile.mkdtemp(prefix="maxlite_compile_")
   try:
-    return _compile_and_report(raw, target, num_slices, dump_dir)
+    return _compile_and_report(raw, target, num_slices, dump_dir, after_compile)
   finally:
     shutil.rmtree(dump_dir, ignore_errors=True)
 
 
 def _compile_and_report(
-  raw: dict, target: topologies.Target, num_slices: int, dump_dir: str, add_dump_flags: bool = True
+  raw: dict,
+  target: topologies.Target,
+  num_slices: int,
+  dump_dir: str,
+  after_compile: AfterCompile | None,
+  add_dump_flags: bool = True,
 ) -> int:
   prepare_backend(target, dump_dir=dump_dir if add_dump_flags else None)
   devices = target_devices(target, num_slices)
@@ -342,6 +352,8 @@ def _compile_and_report(
   allocated = buffer_report.allocated_bytes(dump_dir)
   text, fits = report(config, target, compiled, state_bytes, seconds, buffers, allocated)
   print(text, flush=True)
+  if after_compile is not None:
+    after_compile(config, num_slices, compiled, allocated, seconds)
   if config.compiled_trainstep_file:
     from jax.experimental import serialize_executable
 

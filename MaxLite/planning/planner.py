@@ -60,6 +60,12 @@ def run(argv: Sequence[str], explain_plan: int = 0, plan_output: str = "") -> in
     cache=search.cache_dir(raw["plan_cache_dir"]),
     hbm_gib=raw["plan_hbm_gib"],
   )
+  if not results and raw["plan_time_budget_s"] <= 0:
+    raise ConfigError(
+      f"plan_time_budget_s={raw['plan_time_budget_s']:g} compiles nothing and the plan cache "
+      f"({search.cache_dir(raw['plan_cache_dir'])}) holds none of these {len(kept)} plans: give the search a budget, "
+      "or compile the config first with train_compile.py (it keeps its result there)"
+    )
   ranked = rank(results)
   # the top N, and the config as given wherever it ranks
   shown = [(i, r) for i, r in enumerate(ranked, 1) if i <= raw["plan_top_n"] or not r.plan.overrides]

@@ -15,6 +15,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,10 @@ from MaxLite.planning.candidates import Candidate
 PROGRESS_EVERY_S = 15.0  # a progress line at least this often while compiles run
 _IGNORED = {"run_name", "run_dir", "tensorboard_dir", "checkpoint_dir", "metrics_file", "base_output_directory"}
 _IGNORED |= {"plan_time_budget_s", "plan_top_n", "plan_workers", "plan_cache_dir"}
+# How many hosts feed the devices changes the input pipeline, not the compiled step: a plan is validated as one
+# process, train_compile.py with the topology's hosts, and both compile the same program.
+_IGNORED |= {"process_count", "explicit_keys"}
+_SPELLING = re.compile(r"(ici|dcn)_\w+_parallelism$")
 
 
 @dataclasses.dataclass
@@ -70,7 +75,9 @@ def _toolchain(target: topologies.Target) -> str:
 
 
 def cache_key(config: dict[str, Any], target: topologies.Target, num_slices: int, source: str) -> str:
-  relevant = {k: v for k, v in sorted(config.items()) if k not in _IGNORED}
+  """The same program gets the same key however its config was spelled: the mesh is keyed by its resolved shape, not
+  by the ici_*/dcn_* keys (-1 or the number it stands for) nor by which keys were set explicitly."""
+  relevant = {k: v for k, v in sorted(config.items()) if k not in _IGNORED and not _SPELLING.match(k)}
   machine = [target.name, target.chip.hbm_bytes if target.chip else 0, num_slices, _toolchain(target), source]
   payload = json.dumps([relevant, *machine], sort_keys=True, default=str)
   return hashlib.sha256(payload.encode()).hexdigest()[:32]
@@ -78,6 +85,30 @@ def cache_key(config: dict[str, Any], target: topologies.Target, num_slices: int
 
 def cache_dir(config_value: str) -> str:
   return config_value or os.path.join(os.path.expanduser("~"), ".cache", "maxlite", "plans")
+
+
+def remember_compile(config: Any, num_slices: int, compiled: Any, allocated: int | None, compile_s: float) -> str:
+  """train_compile.py's compiled step, kept in the plan cache under the key plan.py gives the same config: plan.py
+  compiles the config as given first, so a search after train_compile.py on those keys starts from the cache instead
+  (a 70B train step on v5p-128 is 35 s of libtpu on a laptop). Returns the entry's path, "" for an ensemble (plan.py
+  plans one model)."""
+  if config.ensemble_size != 1:
+    return ""
+  from MaxLite.planning import perf_model
+
+  target = perf_model.planning_target(config.compile_topology, config.plan_hbm_gib)
+  cache = cache_dir(config.plan_cache_dir)
+  os.makedirs(cache, exist_ok=True)
+  path = os.path.join(cache, f"{cache_key(config.to_dict(), target, num_slices, _source_digest())}.json")
+  _store(path, assess(config, target, compiled, allocated, compile_s))
+  return path
+
+
+def _store(path: str, payload: dict[str, Any]) -> None:
+  """Written whole or not at all: a search reading the cache never sees half an entry."""
+  with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), suffix=".tmp", delete=False) as f:
+    json.dump(payload, f)
+  os.replace(f.name, path)
 
 
 # A worker's XLA dump directory: each compile's buffer assignment says how much device memory it allocates.
@@ -108,10 +139,9 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   """In a worker: compile the plan's train step for the target; memory, prediction and largest collectives."""
   import jax  # noqa: F401  (after prepare_backend)
 
-  from MaxLite.aot.compile_step import device_bytes, lower_train_step, memory_total, out_of_memory, target_devices
-  from MaxLite.config import Config, choices, splash_blocks
-  from MaxLite.models import flops
-  from MaxLite.planning import hlo_costs, perf_model
+  from MaxLite.aot.compile_step import lower_train_step, out_of_memory, target_devices
+  from MaxLite.config import Config
+  from MaxLite.planning import perf_model
 
   target = perf_model.planning_target(target_name, hbm_gib)
   c = Config(config)
@@ -122,11 +152,22 @@ def evaluate(config: dict[str, Any], target_name: str, num_slices: int, hbm_gib:
   except Exception as e:  # an out-of-memory compile is an answer, anything else is reported per plan
     oom = out_of_memory(str(e))
     return {"fits": False, "error": oom or first_line(e, with_type=True), "compile_s": time.perf_counter() - started}
+  return assess(c, target, compiled, allocated, time.perf_counter() - started)
+
+
+def assess(c: Any, target: topologies.Target, compiled: Any, allocated: int | None, compile_s: float) -> dict[str, Any]:
+  """A compiled plan's cache entry: its memory (`allocated`: the compiler's buffer assignment, when read), its
+  predicted step and largest collectives."""
+  from MaxLite.aot.compile_step import device_bytes, memory_total
+  from MaxLite.config import choices, splash_blocks
+  from MaxLite.models import flops
+  from MaxLite.planning import hlo_costs, perf_model
+
   mem = compiled.memory_analysis()
   needed, host_bytes = device_bytes(mem, allocated)[0], memory_total(mem, "host_")
   out: dict[str, Any] = {"device_bytes": needed, "host_bytes": host_bytes}
   out["fits"] = needed <= target.chip.hbm_bytes
-  out["compile_s"] = time.perf_counter() - started
+  out["compile_s"] = compile_s
 
   ops = hlo_costs.device_ops(compiled.as_text(), choices.MESH_AXES, c.mesh_shape, c.dcn_mesh_shape)
   net = perf_model.Interconnect(
@@ -203,7 +244,9 @@ def run_search(
   )
   running: dict[concurrent.futures.Future, tuple[Candidate, str]] = {}
   failures = 0
-  if todo:  # the first answers take a while (workers start, then a whole compile each): say what is going on
+  if todo and budget_s <= 0:
+    progress(f"plan: {len(results)} plans found in the cache; plan_time_budget_s={budget_s:g} compiles no more")
+  elif todo:  # the first answers take a while (workers start, then a whole compile each): say what is going on
     progress(
       f"plan: compiling {len(todo)} plans ({len(results)} found in the cache) in {max(1, workers)} processes, "
       f"within plan_time_budget_s={budget_s:g}"
@@ -238,8 +281,7 @@ def run_search(
           payload = {"fits": False, "error": first_line(e, with_type=True)}
         answered = "device_bytes" in payload or "DOES NOT FIT" in payload.get("error", "")
         if answered:  # answers (fits, or by how much not) are kept; accidents are tried again next time
-          with open(path, "w") as f:
-            json.dump(payload, f)
+          _store(path, payload)
         results.append(_result(plan, payload))
         failures = 0 if answered else failures + 1
         if failures >= 3 and todo:  # the same accident every time is the toolchain, not the plans
