@@ -21,6 +21,7 @@ import os
 import textwrap
 import typing
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import pydantic
@@ -95,10 +96,17 @@ def defaults() -> dict[str, Any]:
   return {key: copy.deepcopy(field.default) for key, field in FIELDS.items()}
 
 
+@functools.cache  # the schema is fixed: validation asks for every key's set each time a config is built
 def allowed_values(key: str) -> tuple[Any, ...] | None:
   """The closed set of values a key takes (its Literal), or None where any value of its type goes."""
   annotation = FIELDS[key].annotation
   return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+
+
+@functools.cache
+def closed_sets() -> Mapping[str, tuple[Any, ...]]:
+  """{key: its closed set} for every key with a Literal."""
+  return MappingProxyType({key: values for key in FIELDS if (values := allowed_values(key)) is not None})
 
 
 def unsupported_note(key: str) -> str | None:
@@ -115,6 +123,7 @@ def not_one_of(key: str, value: Any, choices: Sequence[Any]) -> ConfigError:
   )
 
 
+@functools.cache
 def value_range(key: str) -> tuple[float, float, bool, bool] | None:
   """(low, high, low included, high included) of a numeric key whose Field declares bounds (gt/ge/lt/le), else None;
   a missing bound is -inf or inf, excluded."""

@@ -25,8 +25,7 @@ from MaxLite.config.keys_derived import Derived, Devices, moe_mlp_dim
 def _check_choices(c: dict[str, Any]) -> None:
   """Every key with a closed set of values (its Literal in the schema) holds one of them, defaults and values set in
   code included (a value set in a file was checked as read); decoder_block's set is the family registry."""
-  closed = {key: schema.allowed_values(key) for key in schema.FIELDS if schema.allowed_values(key) is not None}
-  closed["decoder_block"] = families.decoder_blocks()
+  closed = {**schema.closed_sets(), "decoder_block": families.decoder_blocks()}
   for key, choices in closed.items():
     if c[key] not in choices:
       raise schema.not_one_of(key, c[key], choices)
