@@ -836,3 +836,13 @@ def test_the_progress_bar_fills_with_the_budget_when_the_queue_cannot_be_finishe
   half_time = search._progress_line([], 1473, elapsed=300, budget=600)
   assert half_time.startswith("plan: [" + "#" * 10 + " " * 10 + "] 0 compiled, 1473 queued, 300/600 s"), half_time
   assert search._progress_line([], 3, elapsed=0, budget=600).startswith("plan: [" + " " * 20 + "]")
+
+
+def test_a_plan_cache_that_cannot_be_kept_costs_one_warning_not_the_compile(tmp_path, capsys):
+  """train_compile.py's report is its answer; a plan cache it cannot write (a file where the folder would be) only
+  means plan.py compiles that config again."""
+  (tmp_path / "file").write_text("")
+  config = make_config("compile_topology=cpu-8", f"plan_cache_dir={tmp_path / 'file' / 'plans'}", num_devices=8)
+  assert search.remember_compile(config, 1, compiled=None, allocated=None, compile_s=1.0) == ""
+  (warning,) = capsys.readouterr().out.splitlines()
+  assert warning.startswith(f"warning: plan.py's cache ({tmp_path / 'file' / 'plans'}) did not keep this compile: ")

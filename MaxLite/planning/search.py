@@ -31,8 +31,8 @@ from MaxLite.planning.candidates import Candidate
 PROGRESS_EVERY_S = 15.0  # a progress line at least this often while compiles run
 _IGNORED = {"run_name", "run_dir", "tensorboard_dir", "checkpoint_dir", "metrics_file", "base_output_directory"}
 _IGNORED |= {"plan_time_budget_s", "plan_top_n", "plan_workers", "plan_cache_dir"}
-# How many hosts feed the devices changes the input pipeline, not the compiled step: a plan is validated as one
-# process, train_compile.py with the topology's hosts, and both compile the same program.
+# Neither decides the compiled step: how many hosts feed the devices (a plan is validated as one process,
+# train_compile.py with the topology's hosts) and which keys came from the command line rather than a file.
 _IGNORED |= {"process_count", "explicit_keys"}
 _SPELLING = re.compile(r"(ici|dcn)_\w+_parallelism$")
 
@@ -90,17 +90,21 @@ def cache_dir(config_value: str) -> str:
 def remember_compile(config: Any, num_slices: int, compiled: Any, allocated: int | None, compile_s: float) -> str:
   """train_compile.py's compiled step, kept in the plan cache under the key plan.py gives the same config: plan.py
   compiles the config as given first, so a search after train_compile.py on those keys starts from the cache instead
-  (a 70B train step on v5p-128 is 35 s of libtpu on a laptop). Returns the entry's path, "" for an ensemble (plan.py
-  plans one model)."""
+  (a 70B train step on v5p-128 is 35 s of libtpu on a 2-core VM). Returns the entry's path; "" for an ensemble
+  (plan.py plans one model) or when the entry could not be kept, which costs only that compile later (one warning)."""
   if config.ensemble_size != 1:
     return ""
   from MaxLite.planning import perf_model
 
   target = perf_model.planning_target(config.compile_topology, config.plan_hbm_gib)
   cache = cache_dir(config.plan_cache_dir)
-  os.makedirs(cache, exist_ok=True)
-  path = os.path.join(cache, f"{cache_key(config.to_dict(), target, num_slices, _source_digest())}.json")
-  _store(path, assess(config, target, compiled, allocated, compile_s))
+  try:
+    os.makedirs(cache, exist_ok=True)
+    path = os.path.join(cache, f"{cache_key(config.to_dict(), target, num_slices, _source_digest())}.json")
+    _store(path, assess(config, target, compiled, allocated, compile_s))
+  except Exception as e:  # the report above is the command's answer; the cache only saves plan.py a compile
+    print(f"warning: plan.py's cache ({cache}) did not keep this compile: {first_line(e, with_type=True)}", flush=True)
+    return ""
   return path
 
 
