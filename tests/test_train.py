@@ -219,6 +219,17 @@ def test_no_recompilation_after_the_first_step(tmp_path):
   assert handler.names.count("jit(eval_step)") == 1, handler.names
 
 
+def test_a_sharded_run_traces_the_model_s_initialiser_once(tmp_path, monkeypatch):
+  """The abstract state (for the shardings) and the sharded init share one trace of the model, not one each."""
+  from MaxLite.training import train_state
+
+  traced, init_state = [], train_state.init_state
+  monkeypatch.setattr(train_state, "init_state", lambda *args: traced.append(1) or init_state(*args))
+  config = make_config(*TINY, "steps=1", "ici_fsdp_parallelism=8", f"base_output_directory={tmp_path}", num_devices=8)
+  train(config, first_devices(8))
+  assert len(traced) == 1
+
+
 def test_metrics_in_a_bucket_are_uploaded_at_most_every_few_seconds(monkeypatch):
   """An object cannot be appended to, so each upload rewrites the whole file: never once per step."""
   from MaxLite.training import metrics
