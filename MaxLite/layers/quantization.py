@@ -16,6 +16,7 @@ Qwix cannot reach into jax's Pallas megablox kernel, so here they stay in the co
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax.numpy as jnp
@@ -56,7 +57,22 @@ def quantized(model: Any, config: Any) -> Any:
     return model
   import qwix
 
+  round_the_same_in_every_layout()
   return qwix.quantize_model(model, qwix.QtProvider([qt_rule(config)]))
+
+
+def round_the_same_in_every_layout() -> None:
+  """Qwix quantizes with x / scale, and XLA rewrites that division into x * (1 / scale) in some programs and not in
+  others: the one-device program of a projection multiplied, the same projection sharded over 8 devices divided, and
+  18% of the int8 outputs differed by a rounding step (a last-bit difference moves a value across a rounding
+  boundary), so a sharded run was not the one-device run even on the same inputs. Qwix's own reciprocal mode (AQT's
+  way) writes the multiplication itself: every layout then rounds the same values the same way, bit for bit."""
+  from qwix._src.core import qarray  # qwix's switch for it has no public name (qwix 0.1.8)
+
+  if not hasattr(qarray, "USE_RECIPROCAL_FOR_QUANTIZATION"):
+    logging.warning("this qwix has no reciprocal quantization: sharded layouts may round differently from one device")
+    return
+  qarray.USE_RECIPROCAL_FOR_QUANTIZATION = True
 
 
 def native_path_note(quantization: str, chip: str, peak_int8: float = 0.0, peak_fp8: float = 0.0) -> str | None:
