@@ -22,6 +22,7 @@ from flax import traverse_util
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config.choices import LORA_DEFAULT_MODULES
+from MaxLite.layers import quantization
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 MOE_BLOCK = "moe"  # the name every family gives its layers.moe.MoeBlock: the routed experts and their router
@@ -38,6 +39,7 @@ def with_lora(model: Any, config: Any, adapters: bool = True) -> Any:
     return model
   import qwix  # only a LoRA run loads it
 
+  quantization.round_the_same_in_every_layout()  # QLoRA's base: as a quantized run rounds
   if not adapters:
     base_rule = qwix.QuantizationRule(
       module_path=module_path(config),
@@ -158,6 +160,8 @@ def quantize_base(params: Any, abstract_frozen: Any) -> dict:
   import jax
   from qwix._src.core import qarray
   from qwix._src.providers.ptq import WithAux
+
+  quantization.round_the_same_in_every_layout()
 
   def one(value: Any, abstract: Any) -> Any:
     if not isinstance(abstract, WithAux):

@@ -66,7 +66,9 @@ def round_the_same_in_every_layout() -> None:
   others: the one-device program of a projection multiplied, the same projection sharded over 8 devices divided, and
   18% of the int8 outputs differed by a rounding step (a last-bit difference moves a value across a rounding
   boundary), so a sharded run was not the one-device run even on the same inputs. Qwix's own reciprocal mode (AQT's
-  way) writes the multiplication itself: every layout then rounds the same values the same way, bit for bit."""
+  way) writes the multiplication itself: every layout then rounds the same values the same way, bit for bit. Every
+  Qwix quantization MaxLite traces sets it first (quantized training, QLoRA's base), so what a process computes does
+  not depend on which of them ran before."""
   from qwix._src.core import qarray  # qwix's switch for it has no public name (qwix 0.1.8)
 
   if not hasattr(qarray, "USE_RECIPROCAL_FOR_QUANTIZATION"):
