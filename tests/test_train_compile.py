@@ -175,6 +175,15 @@ def test_tiny_on_v5p_8_fits(slices, mesh, users_flags):
     assert f"XLA flags (MaxLite's v5p defaults (topologies.LIBTPU_FLAGS)): {flags}" in proc.stdout
 
 
+def test_v5p_defaults_do_not_fuse_all_gathers_which_newer_libtpu_refuses_on_v5p():
+  # jax 0.11's libtpu fails every v5p compile that fuses all-gathers into the async collective fusion (it allows that
+  # only on v5e); the tiny v5p-8 compile above runs under jax 0.10's libtpu here, which accepts it, so it cannot tell.
+  v5p = topologies.LIBTPU_FLAGS["v5p"]
+  assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false" in v5p
+  assert not any(flag.endswith("fuse_all_gather=true") for flag in v5p)
+  assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true" in topologies.LIBTPU_FLAGS["v5e"]
+
+
 def test_libtpu_flags_are_set_only_on_a_tpu_host_and_by_its_chip():
   assert topologies.set_libtpu_flags({"TPU_ACCELERATOR_TYPE": "v5p-128"}, tpu_present=False) is None
   env = {"TPU_ACCELERATOR_TYPE": "v5litepod-256"}

@@ -110,12 +110,17 @@ def device_chip(device: Any, environ: dict[str, str] | None = None) -> Chip | No
 # asynchronously and fused, overlapped with compute, pipelined backwards through the scanned layers, and data-parallel
 # all-reduces combined. No recipe publishes flags for v6e, so it gets none. train.py sets them on TPU and
 # train_compile.py compiles with them, so the memory and schedule it reports are the pod's; a LIBTPU_INIT_ARGS already
-# in the environment wins unchanged.
+# in the environment wins unchanged. One change from the recipes: v5p does not fuse all-gathers into the async
+# collective fusion. The libtpu of jax 0.11 refuses to compile that on v5p ("continuation fusion for AllGather ... not
+# supported on platforms other than Viperlite", i.e. v5e), which failed every v5p compile and run with these defaults;
+# MaxText's current v5p/32b recipe turns it off too, and the libtpu of jax 0.10 leaves it off when not asked (llama2-7b
+# on v5p-8: 30.09 GiB allocated with it off or unset, 30.49 with it on).
+_FUSE_ALL_GATHERS = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather"
 _ASYNC_FUSION = (
   "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
   "--xla_tpu_data_parallel_opt_different_sized_ops=true",
   "--xla_tpu_enable_async_collective_fusion=true",
-  "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+  f"{_FUSE_ALL_GATHERS}=true",
   "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
   "--xla_tpu_overlap_compute_collective_tc=true",
   "--xla_enable_async_all_gather=true",
@@ -124,7 +129,7 @@ LIBTPU_FLAGS = {
   "v4": ("--xla_enable_async_all_gather=true",),
   "v5e": _ASYNC_FUSION,
   "v5p": (
-    *_ASYNC_FUSION,
+    *(f"{_FUSE_ALL_GATHERS}=false" if flag.startswith(_FUSE_ALL_GATHERS) else flag for flag in _ASYNC_FUSION),
     "--xla_tpu_megacore_fusion_allow_ags=false",
     "--xla_enable_async_collective_permute=true",
     "--xla_tpu_enable_ag_backward_pipelining=true",
