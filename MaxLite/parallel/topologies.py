@@ -116,20 +116,20 @@ def device_chip(device: Any, environ: dict[str, str] | None = None) -> Chip | No
 # MaxText's current v5p/32b recipe turns it off too, and the libtpu of jax 0.10 leaves it off when not asked (llama2-7b
 # on v5p-8: 30.09 GiB allocated with it off or unset, 30.49 with it on).
 _FUSE_ALL_GATHERS = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather"
-_ASYNC_FUSION = (
+_ASYNC_FUSION = (  # both v5 generations; each adds whether all-gathers join the fusion
   "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
   "--xla_tpu_data_parallel_opt_different_sized_ops=true",
   "--xla_tpu_enable_async_collective_fusion=true",
-  f"{_FUSE_ALL_GATHERS}=true",
   "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
   "--xla_tpu_overlap_compute_collective_tc=true",
   "--xla_enable_async_all_gather=true",
 )
 LIBTPU_FLAGS = {
   "v4": ("--xla_enable_async_all_gather=true",),
-  "v5e": _ASYNC_FUSION,
+  "v5e": (*_ASYNC_FUSION, f"{_FUSE_ALL_GATHERS}=true"),
   "v5p": (
-    *(f"{_FUSE_ALL_GATHERS}=false" if flag.startswith(_FUSE_ALL_GATHERS) else flag for flag in _ASYNC_FUSION),
+    *_ASYNC_FUSION,
+    f"{_FUSE_ALL_GATHERS}=false",
     "--xla_tpu_megacore_fusion_allow_ags=false",
     "--xla_enable_async_collective_permute=true",
     "--xla_tpu_enable_ag_backward_pipelining=true",
