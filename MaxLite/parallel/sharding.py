@@ -11,29 +11,54 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxLite.config import Config
+from MaxLite.config.choices import MESH_AXES
+from MaxLite.config.keys_derived import rule_mesh_axes
 
 # The residual stream's logical axes: every layer constrains its input and output to these.
 EMBED_ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
 
 
 def axis_rules(config: Config) -> tuple[tuple[str, Any], ...]:
-  """Rules in flax's form: a mesh axis name, a tuple of them, or None for replicated."""
+  """Rules in flax's form: a mesh axis name, a tuple of them, or None for replicated; activation_embed whole on each
+  device where `swaps_batch_shards` says XLA would otherwise compute the wrong rows."""
   rules = []
   for name, axes in config.logical_axis_rules:
     if isinstance(axes, str):
       rules.append((name, axes))
     else:
       rules.append((name, tuple(axes) if axes else None))
+  if swaps_batch_shards(config.logical_axis_rules, dict(zip(MESH_AXES, config.mesh_shape))):
+    return _embed_whole(rules)
   return tuple(rules)
 
 
+def swaps_batch_shards(rules: Any, mesh: dict[str, int]) -> bool:
+  """Whether this layout meets a bug of XLA's SPMD partitioner (jax 0.10.2 and 0.11.2, XLA:CPU; the GPU shares the
+  partitioner): a dot whose input and output both split their feature dim over `tensor` while its weight splits one
+  dim over `tensor` and the other over an axis that also splits the batch, but not as the batch's first split axis
+  (the batch over data x fsdp, the weights' embed over fsdp). XLA then moves whole batch shards between devices and
+  never moves them back: in `bsm,me->bse` with x[(data,fsdp), -, tensor], w[tensor, fsdp] and the output constrained
+  to [(data,fsdp), -, tensor], shards (data 0, fsdp 1) and (data 1, fsdp 0) come out swapped, at 1, 2 and 8 rows per
+  shard depending on the other dims (the forward pass, its gradients, the logits, every projection of the residual
+  stream). Keeping the residual stream (activation_embed) whole on each device removes every such dot: one side of
+  each projection is then unsplit. tests/parallel/test_batch_shard_layouts.py is the sweep that finds it."""
+  if math.prod(mesh.get(a, 1) for a in rule_mesh_axes(rules, "activation_embed")) == 1:
+    return False
+  split_batch = [a for a in rule_mesh_axes(rules, "activation_batch") if mesh.get(a, 1) > 1]
+  weight_axes = {a for logical in ("embed", "q_lora", "kv_lora") for a in rule_mesh_axes(rules, logical)}
+  return any(a in weight_axes for a in split_batch[1:])
+
+
+def _embed_whole(rules: Any) -> tuple[tuple[str, Any], ...]:
+  return tuple((name, None if name == "activation_embed" else axes) for name, axes in rules)
+
+
 def decode_axis_rules(config: Config) -> tuple[tuple[str, Any], ...]:
-  """The rules a KV-cache decoder traces under: the residual stream (activation_embed) whole on each device. XLA's
-  SPMD partitioner (jax 0.10.2 and 0.11.2, CPU) miscomputes the output projections of a decode step when the batch
-  is split over data and fsdp, the weights' embed axis over fsdp and the output's over tensor: rows of two batch
-  shards come out swapped (tests/test_decode.py reproduces it). Decoding is bound by reading the weights and the
-  cache, not by this activation, so keeping it whole costs little."""
-  return tuple((name, None if name == "activation_embed" else axes) for name, axes in axis_rules(config))
+  """The rules a KV-cache decoder traces under: the residual stream (activation_embed) whole on each device on every
+  layout, not only where `swaps_batch_shards` says so: decoding is bound by reading the weights and the cache, not by
+  this activation, so keeping it whole costs little, and a decode step's shapes (one token a row) are the ones the
+  partitioner bug reaches most often."""
+  return _embed_whole(axis_rules(config))
 
 
 def traced_under(rules: tuple[tuple[str, Any], ...], jitted: Any) -> Any:
