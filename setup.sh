@@ -53,6 +53,25 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   exit 2
 fi
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check --quiet "$@"; }
+# pip is quiet (--quiet), so each step says what it installs before it starts, and the end how long each took.
+SECONDS=0
+timings=()
+step_name="" step_start=0
+step() {  # step NAME TEXT: close the previous step's timing, print TEXT as this step's line
+  [[ -n "$step_name" ]] && timings+=("$step_name $(( SECONDS - step_start )) s")
+  step_name="$1" step_start=$SECONDS
+  echo "setup.sh: $2"
+}
+# "requirements.txt (29 packages: jax 0.10.2, jaxlib 0.10.2, flax 0.12.8, ...)": what a requirement file installs.
+describe_requirements() {
+  local file names count
+  for file in "$@"; do
+    names="$(sed -n 's/^\([^#=<> ]*\)==\([^ ;#]*\).*/\1 \2/p' "$file")"
+    count="$(grep -c . <<< "$names" || true)"
+    printf '%s (%s: %s)\n' "$file" "$count package$([[ "$count" == 1 ]] || echo s)" \
+      "$(head -n 3 <<< "$names" | paste -sd, - | sed 's/,/, /g')$([[ "$count" -gt 3 ]] && echo ', ...')"
+  done
+}
 extras=(requirements/gcs.txt)
 if [[ "$DEVICE" == gpu && "$CUDA" == auto ]]; then
   # The driver's newest CUDA decides the plugin: jax's CUDA 13 wheels do not load under a CUDA 12 driver.
@@ -98,18 +117,24 @@ elif [[ -z "$PYTHON_NAMED" && ! -e .venv ]]; then
   fi
 fi
 
+echo "setup.sh: installing into $PYTHON ($("$PYTHON" -V 2>&1)); DEVICE=$DEVICE MODE=$MODE AOT=$AOT TEST=$TEST"
 if [[ "$MODE" == pinned ]]; then
+  step dependencies "pip: the pinned dependencies, resolved together (the long step: minutes on a fresh machine):"
+  describe_requirements requirements.txt "${extras[@]}" | sed 's/^/  /'
   pip_install -r requirements.txt "${extras[@]/#/-r}"
 else
   # The same packages, unpinned.
   mapfile -t packages < <(sed -n 's/==.*//p' requirements.txt "${extras[@]}")
+  step dependencies "pip: the newest releases of ${#packages[@]} packages (requirements.txt ${extras[*]}, unpinned)"
   pip_install --upgrade "${packages[@]}"
   if [[ "$MODE" == nightly ]]; then
+    step nightly "pip: jax and jaxlib pre-releases (MODE=nightly)"
     pip_install --upgrade --pre jax jaxlib
   fi
 fi
 # MaxLite itself, editable: `import MaxLite` and the maxlite-* commands run this checkout's code. No
 # dependency resolution here: the step above chose the versions.
+step maxlite "pip: MaxLite itself, editable (this checkout's code; the maxlite-* commands)"
 pip_install --no-deps --editable .
 
 if [[ "$AOT" == 1 && "$DEVICE" != tpu ]]; then
@@ -117,6 +142,7 @@ if [[ "$AOT" == 1 && "$DEVICE" != tpu ]]; then
   LIBTPU_SPEC="$("$PYTHON" -c 'import importlib.metadata as m, re; print(next(re.sub(r";.*", "", r).replace(" ", "") for r in m.requires("jax") if r.startswith("libtpu")))')"
   if [[ ! -f .deps/libtpu/libtpu/libtpu.so ]] || ! grep -qx "$LIBTPU_SPEC" .deps/libtpu/.spec 2>/dev/null; then
     rm -rf .deps/libtpu
+    step libtpu "pip: $LIBTPU_SPEC into .deps/libtpu (AOT=1: train_compile.py compiles for TPU topologies here)"
     pip_install --no-deps --target .deps/libtpu "$LIBTPU_SPEC"
     echo "$LIBTPU_SPEC" > .deps/libtpu/.spec
   fi
@@ -128,6 +154,7 @@ fi
 apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" > /dev/null 2>&1; }
 if [[ "$(uname)" == Linux ]] \
    && ! "$PYTHON" -c 'from MaxLite.runtime.allocator import tcmalloc_path as t; raise SystemExit(t() is None)'; then
+  step tcmalloc "apt: libtcmalloc-minimal4 (faster CPU training), where apt-get runs as root"
   if command -v apt-get > /dev/null && [[ "$(id -u)" == 0 ]] \
      && { apt_install libtcmalloc-minimal4 || { apt-get update -q > /dev/null 2>&1 && apt_install libtcmalloc-minimal4; }; }; then
     echo "installed libtcmalloc-minimal4 (used by train.py)"
@@ -138,7 +165,10 @@ fi
 
 # Check what was installed without starting a jax runtime (on a TPU VM that would take the chips, and on a pod
 # worker it would wait for the other hosts).
+step check "checking the install (imports and versions, no jax runtime started)"
 DEVICE="$DEVICE" "$PYTHON" -m MaxLite.runtime.install_check
+timings+=("$step_name $(( SECONDS - step_start )) s")
+echo "setup.sh: done in $(( SECONDS / 60 ))m $(( SECONDS % 60 ))s ($(IFS=';'; sed 's/;/, /g' <<< "${timings[*]}"))"
 if [[ -n "$in_dot_venv" ]]; then
   echo "installed into .venv, this checkout's virtual environment: \`source .venv/bin/activate\` enters it (in each new shell)"
 fi

@@ -7,8 +7,9 @@ Example: python MaxLite/train_compile.py configs/base.yml compile_topology=v5p-1
 
 Runs on any machine: TPU targets need only the libtpu library (setup.sh puts it in .deps/libtpu),
 never a TPU. Prints per-device memory (parameters, optimizer state, and the compiled program's
-argument / output / temporary bytes), the chip's HBM and whether the step fits, the compiled FLOPs
-next to MaxLite's own model-FLOPs formula, and a roofline step time. Exit code 0 = fits,
+argument / output / temporary bytes), the chip's HBM and whether the step fits, MaxLite's model-FLOPs
+formula (with XLA's compiled count beside it where the program has no loop: XLA counts a loop's body,
+e.g. the scanned layers, once), and a roofline step time. Exit code 0 = fits,
 3 = does not fit (the shortfall is printed), 2 = bad input. The result also goes into plan.py's cache
 (plan_cache_dir): a plan search on the same keys starts from it instead of compiling the config again.
 """

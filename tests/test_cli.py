@@ -4,6 +4,7 @@ tool run without its config names its own usage."""
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,3 +128,40 @@ def test_convert_hf_help_names_every_architecture_it_reads():
   squeeze = lambda text: "".join(ch for ch in text.lower() if ch.isalnum())  # noqa: E731
   for architecture in models.architectures():
     assert squeeze(architecture.removesuffix("ForCausalLM")) in squeeze(convert_hf.__doc__), architecture
+
+
+def test_setup_sh_says_what_it_installs_as_it_goes(tmp_path):
+  """pip runs --quiet, so setup.sh said nothing for minutes: each step now names what it installs (each requirement
+  file with its package count) before it starts, and the last line before the venv hint how long it took."""
+  import shutil
+
+  checkout = tmp_path / "maxlite"
+  checkout.mkdir()
+  for name in ("setup.sh", "requirements.txt"):
+    shutil.copy(os.path.join(REPO, name), checkout)
+  shutil.copytree(os.path.join(REPO, "requirements"), checkout / "requirements")
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  log = tmp_path / "calls.log"
+  python = bin_dir / "python3"  # answers the version probe as 3.12 and logs every other call instead of running it
+  python.write_text(f'#!/bin/bash\n[ "$1" = -V ] && {{ echo "Python 3.12.3"; exit 0; }}\necho "$*" >> {log}\nexit 0\n')
+  python.chmod(0o755)
+  env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+  env |= {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": "python3"}
+  proc = subprocess.run(
+    ["bash", str(checkout / "setup.sh"), "AOT=0", "TEST=1"], env=env, capture_output=True, text=True, timeout=60
+  )
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  packages = sum(1 for line in open(os.path.join(REPO, "requirements.txt")) if "==" in line and line[0] != "#")
+  assert lines[0] == "setup.sh: installing into python3 (Python 3.12.3); DEVICE=cpu MODE=pinned AOT=0 TEST=1"
+  assert lines[1].startswith("setup.sh: pip: the pinned dependencies")
+  assert lines[2].startswith(f"  requirements.txt ({packages} packages: jax ")
+  assert lines[3].startswith("  requirements/gcs.txt (") and lines[4].startswith("  requirements/test.txt (")
+  assert lines[5].startswith("setup.sh: pip: MaxLite itself, editable")
+  assert lines[6].startswith("setup.sh: checking the install")
+  assert re.fullmatch(r"setup\.sh: done in 0m \d+s \(dependencies \d+ s, maxlite \d+ s, check \d+ s\)", lines[7])
+  # the files listed are installed in one pip call, resolved together
+  assert [c for c in log.read_text().splitlines() if c.startswith("-m pip install")][0].startswith(
+    "-m pip install --disable-pip-version-check --quiet -r requirements.txt -rrequirements/gcs.txt"
+  )

@@ -269,3 +269,114 @@ def test_shipped_maxtext_recipes_load_for_their_slice(recipe):
   assert config.model_name.startswith("maxtext-") and config.max_target_length == 2048
   with open(recipe) as f:
     assert re.search(r"^# published_mfu: \d+\.\d+$", f.read(), re.M)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    # seeds: JAX keeps 32 bits of a seed (2**32 is seed 0 again, 2**63 overflows) and numpy refuses a negative one
+    (["seed=1e30"], "seed must be in [0, 2**32), got 1e30"),
+    (["seed=4294967296"], "seed must be in [0, 2**32), got 4294967296"),
+    (["init_weights_seed=-1"], "init_weights_seed must be in [0, 2**32), got -1"),
+    (["data_shuffle_seed=-1"], "data_shuffle_seed must be in [0, 2**32), got -1"),
+    # numbers are decimal: YAML 1.1 and Python read these forms differently
+    (
+      ["steps=0x10"],
+      "config key 'steps' (from command line) takes a decimal number (e.g. 16, -3, 2.5, 1e-4), got '0x10'",
+    ),
+    (["steps=010"], "got '010': a leading 0 (octal in YAML 1.1) is not read"),
+    (["steps=0o10"], "got '0o10': octal is not read"),
+    (["steps=0b10"], "got '0b10': binary is not read"),
+    (["eval_interval=12:30"], "got '12:30': base 60 (YAML 1.1's h:m:s) is not read"),
+    # an rl. spelling sets only an RL key
+    (["rl.steps=5"], "rl.steps=5 (from command line) is not an RL key: the rl group holds only GRPO's keys"),
+    (["rl.learning_rate=0.1"], "learning_rate is a top-level key: write learning_rate=0.1"),
+    # finite, positive where the math needs it
+    (["normalization_layer_epsilon=nan"], "normalization_layer_epsilon must be in (0, inf), got nan"),
+    (["normalization_layer_epsilon=-1"], "normalization_layer_epsilon must be in (0, inf), got -1.0"),
+    (["normalization_layer_epsilon=0"], "normalization_layer_epsilon must be in (0, inf), got 0.0"),
+    (["rope_max_timescale=nan"], "rope_max_timescale must be in (0, inf), got nan"),
+    (["rope_max_timescale=inf"], "rope_max_timescale must be in (0, inf), got inf"),
+    (["dense_init_scale=nan"], "dense_init_scale must be in [0, inf), got nan"),
+    (["dense_init_scale=-0.5"], "dense_init_scale must be in [0, inf), got -0.5"),
+    # NaN means nothing for any key, bounds or not
+    (["mscale=nan"], "mscale must be a number, got nan"),
+    (["capacity_factor=nan"], "capacity_factor must be a number, got nan"),
+    # null is not the text "null": a string key whose unset value is "" takes it as that, others refuse it
+    (["tokenizer_path=null"], "config key 'tokenizer_path' (from command line) is a string and got null"),
+  ],
+)
+def test_a_value_a_key_cannot_take_is_one_line(overrides, message):
+  with pytest.raises(ConfigError) as e:
+    make_config(*overrides)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_string_keys_keep_the_text_as_written(tmp_path):
+  """YAML 1.1 reads 2024_01_15 as 20240115, 12:30 as 750, 010 as 8, 0x1F as 31 and 3.10 as 3.1: a string key takes
+  the text, from a file and from the command line alike."""
+  yml = tmp_path / "c.yml"
+  yml.write_text(
+    f"base_config: {BASE_YML}\nrun_name: 2024_01_15\nbase_output_directory: 12:30\nchat_template_path: 010\n"
+    "tokenizer_path: 0x1F\nprompt: 3.10\ncoordinator_address: yes\ntrain_data_columns: [010, 3.10]\n"
+  )
+  raw = load_raw([str(yml)])
+  got = {k: raw[k] for k in ("run_name", "base_output_directory", "chat_template_path", "tokenizer_path", "prompt")}
+  assert got == {
+    "run_name": "2024_01_15",
+    "base_output_directory": "12:30",
+    "chat_template_path": "010",
+    "tokenizer_path": "0x1F",
+    "prompt": "3.10",
+  }
+  assert raw["coordinator_address"] == "yes" and raw["train_data_columns"] == ["010", "3.10"]
+  raw = load_raw([BASE_YML, "run_name=2024_01_15", "tokenizer_path=0x1F", "prompt=3.10", "train_data_columns=[010]"])
+  assert (raw["run_name"], raw["tokenizer_path"], raw["prompt"], raw["train_data_columns"]) == (
+    "2024_01_15",
+    "0x1F",
+    "3.10",
+    ["010"],
+  )
+
+
+def test_number_keys_in_a_yaml_file_take_decimal_numbers(tmp_path):
+  yml = tmp_path / "c.yml"
+  yml.write_text(f"base_config: {BASE_YML}\nsteps: 1_000\nlearning_rate: 3e-4\nadam_eps: 1E-7\nseed: '12'\n")
+  raw = load_raw([str(yml)])
+  assert (raw["steps"], raw["learning_rate"], raw["adam_eps"], raw["seed"]) == (1000, 3e-4, 1e-7, 12)
+  assert {"steps", "learning_rate", "adam_eps", "seed"} <= set(raw["explicit_keys"])
+  yml.write_text(f"base_config: {BASE_YML}\nsteps: 200\n")  # base.yml's own value: not set explicitly
+  assert "steps" not in load_raw([str(yml)])["explicit_keys"]
+  for body, message in [
+    ("steps: 0x10", f"config key 'steps' (from {yml}) takes a decimal number (e.g. 16, -3, 2.5, 1e-4), got '0x10'"),
+    ("steps: 010", "got '010': a leading 0 (octal in YAML 1.1) is not read"),
+    ("eval_interval: 1:30", "got '1:30': base 60 (YAML 1.1's h:m:s) is not read"),
+    ("seed: 1e30", "seed must be in [0, 2**32), got 1e30"),
+    ("normalization_layer_epsilon: .nan", "normalization_layer_epsilon must be in (0, inf), got nan"),
+    ("rl: {steps: 7}", f"rl.steps=7 (from {yml}) is not an RL key"),
+    ("rl:\n  learning_rate: 0.1", "learning_rate is a top-level key: write learning_rate=0.1"),
+  ]:
+    yml.write_text(f"base_config: {BASE_YML}\n{body}\n")
+    with pytest.raises(ConfigError) as e:
+      load_config([str(yml)], num_devices=1, num_slices=1, process_count=1)
+    assert message in str(e.value) and "\n" not in str(e.value), body
+
+
+def test_null_is_a_keys_unset_value_never_the_text_null(tmp_path):
+  """run_name's unset value is "" (a maxlite_<timestamp> name); quoted, "null" is the text."""
+  assert make_config("run_name=null").run_name.startswith("maxlite_")
+  assert make_config("run_name=~").run_name.startswith("maxlite_")
+  yml = tmp_path / "c.yml"
+  yml.write_text(f"base_config: {BASE_YML}\nrun_name: null\n")
+  assert load_raw([str(yml)])["run_name"] == ""
+  yml.write_text(f"base_config: {BASE_YML}\nrun_name: 'null'\n")
+  assert load_raw([str(yml)])["run_name"] == "null"
+
+
+def test_a_bad_seed_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
+  """seed=1e30 went through to jax.random.key: an OverflowError traceback after the run directory was made."""
+  proc = run_train_cli("seed=1e30", f"base_output_directory={tmp_path}", "run_name=r", timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert errors == ["error: seed must be in [0, 2**32), got 1e30"], proc.stderr
+  assert os.listdir(tmp_path) == []

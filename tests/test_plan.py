@@ -846,3 +846,98 @@ def test_a_plan_cache_that_cannot_be_kept_costs_one_warning_not_the_compile(tmp_
   assert search.remember_compile(config, 1, compiled=None, allocated=None, compile_s=1.0) == ""
   (warning,) = capsys.readouterr().out.splitlines()
   assert warning.startswith(f"warning: plan.py's cache ({tmp_path / 'file' / 'plans'}) did not keep this compile: ")
+
+
+_PREDICTION = dict.fromkeys(
+  ("compute_s", "memory_s", "exposed_ici_s", "ici_s", "exposed_dcn_s", "dcn_s", "exposed_copy_s", "copy_s"), 0.01
+) | {"step_s": 0.05, "mfu": 0.5, "tokens_per_s_per_chip": 1000.0}
+
+
+def test_the_rejection_counts_add_up_to_the_plans_searched_and_the_plan_names_no_local_path(
+  tmp_path, monkeypatch, capsys
+):
+  """Every plan searched is ranked or rejected once: the counts printed add up to the plans searched (they did not:
+  the smaller batches of a family and the plans left when the search stopped were in none). --explain prints each
+  distinct line once, and the plan written names the checkout's config by its path in the checkout, not this
+  machine's absolute path, and loads from another directory."""
+
+  def fake_search(kept, target, num_slices, **_):
+    fitting = search.Result(kept[0], True, device_bytes=1.0, prediction=dict(_PREDICTION), bottleneck="compute")
+    same = {"kind": "all-reduce", "axes": ["fsdp"], "bytes": 2**20, "runs": 1, "seconds": 0.001}
+    fitting.collectives = [same, dict(same), dict(same, kind="all-gather")]
+    too_big = search.Result(kept[1], False, device_bytes=2.0**40, error="")
+    failed = search.Result(kept[2], False, error="XlaRuntimeError: something")
+    return [fitting, too_big, failed], "the time budget plan_time_budget_s=1 ran out; 1 s spent"
+
+  monkeypatch.setattr(search, "run_search", fake_search)
+  out_file = tmp_path / "plans" / "best.yml"
+  args = ["configs/base.yml", "model_name=tiny", "compile_topology=cpu-8", "max_target_length=64"]
+  assert planner.run([*args, "plan_hbm_gib=0.03"], explain_plan=1, plan_output=str(out_file)) == 0
+  captured = capsys.readouterr()
+  enumerated = int(re.search(r"^plan: (\d+) plans, (\d+) left", captured.err, re.M).group(1))
+  total, parts = re.search(r"^plans searched[^:]*: (\d+) = (.+)$", captured.out, re.M).groups()
+  counts = {what: int(n) for n, what in re.findall(r"(\d+) ([a-z ]+?)(?: \+ |$)", parts)}
+  assert int(total) == enumerated + 1 == sum(counts.values()), captured.out  # + the config as given
+  assert counts["ranked"] == counts["did not fit"] == counts["failed"] == 1 and counts["not compiled"] > 0
+  assert {"invalid", "smaller batches"} <= set(counts)
+  # the rejected lines say the same counts
+  assert f"  {counts['not compiled']} not compiled" in captured.out
+  assert f"  {counts['smaller batches']} smaller batches of a layout" in captured.out
+  # --explain: the two identical all-reduces are one line
+  collectives = captured.out.split("largest collectives (per step):\n")[1].splitlines()[:2]
+  assert collectives[0].startswith("    all-reduce") and collectives[0].endswith("(2 collectives alike, each)")
+  assert collectives[1].startswith("    all-gather") and "alike" not in collectives[1]
+  written = out_file.read_text()
+  assert "\nbase_config: configs/base.yml\n" in written and REPO not in written
+  monkeypatch.chdir(tmp_path)  # another directory, as on a TPU worker whose checkout lies elsewhere
+  assert planner.config_lib.load_raw([str(out_file)])["model_name"] == "tiny"
+  # a config of the user's own, outside the checkout: named relative to the plan
+  own = tmp_path / "mine" / "my.yml"
+  own.parent.mkdir()
+  own.write_text("base_config: configs/base.yml\n")
+  assert planner.base_config_for(str(own), str(out_file)) == os.path.join("..", "mine", "my.yml")
+
+
+class _Threads(__import__("concurrent.futures").futures.ThreadPoolExecutor):
+  """run_search's worker pool, as threads running a fake compile (no jax, no spawn)."""
+
+  def __init__(self, max_workers, mp_context=None, initializer=None, initargs=()):
+    super().__init__(max_workers)
+
+
+def test_the_search_starts_no_compile_the_budget_cannot_finish(tmp_path, monkeypatch):
+  """plan_time_budget_s=240 ran 366 s: a compile started with a second of the budget left ran on for two minutes.
+  No compile starts with less budget left than the slowest so far took, and the time spent is reported."""
+  import time as time_
+
+  def compile_for_a_second(config, *_):
+    time_.sleep(1.0)
+    return {"fits": True, "device_bytes": 1.0, "prediction": dict(_PREDICTION), "compile_s": 1.0}
+
+  monkeypatch.setattr(search, "evaluate", compile_for_a_second)
+  monkeypatch.setattr(search.concurrent.futures, "ProcessPoolExecutor", _Threads)
+  monkeypatch.setattr(search, "_best_seconds_per_token", lambda results: None)  # no frontier: only the budget stops
+  plans = [candidates.Candidate({"i": i}, config={"i": i}) for i in range(6)]
+  target = perf_model.planning_target("cpu-1")
+  started = time_.monotonic()
+  results, stopped = search.run_search(plans, target, 1, budget_s=2.5, workers=1, cache=str(tmp_path))
+  spent = time_.monotonic() - started
+  # compiles end at 1 s and 2 s; the third would end at 3 s, past the budget: it is not started
+  assert len(results) == 2 and spent < 2.5, (spent, stopped)
+  assert re.search(r"had \d s left, less than the slowest compile \(1 s\), with 4 plans not compiled", stopped), stopped
+  assert re.search(r"; [12] s spent$", stopped), stopped
+
+
+def test_compiles_in_flight_at_the_end_of_the_budget_are_stopped():
+  """A compile cannot be interrupted: its worker process is ended, and the pool shuts down at once."""
+  import concurrent.futures
+  import multiprocessing
+  import time as time_
+
+  pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+  future = pool.submit(time_.sleep, 120)
+  time_.sleep(0.5)
+  started = time_.monotonic()
+  search._stop_workers(pool)
+  pool.shutdown(wait=True, cancel_futures=True)
+  assert time_.monotonic() - started < 30 and future.done()

@@ -15,6 +15,7 @@ import yaml
 from MaxLite import cli
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import choices, loader, schema
+from MaxLite.config.keys_derived import Derived
 
 _KEY = re.compile(r"^([A-Za-z_]\w*):(.*)$")
 _CONTINUATION = re.compile(r"^\s+#\s?(.*)$")
@@ -108,10 +109,10 @@ def test_every_key_has_a_group_type_and_description():
 @pytest.mark.parametrize(
   "override, message",
   [
-    ("train_data_columns=[1]", "config key 'train_data_columns' (from command line) expects list[str], got [1]"),
+    ("train_data_columns=[[a]]", "config key 'train_data_columns' (from command line) expects list[str], got [['a']]"),
     ("ensemble_learning_rates=[fast]", "config key 'ensemble_learning_rates' (from command line) expects list[float]"),
     ("steps=2.5", "config key 'steps' (from command line) expects int, got 2.5"),
-    ("add_bos=1", "config key 'add_bos' (from command line) expects bool, got 1"),
+    ("add_bos=1", "config key 'add_bos' (from command line) expects bool, got '1'"),
     ("query_proj=sometimes", "query_proj='sometimes' is not one of: 'remat', 'device', 'offload'"),
   ],
 )
@@ -141,6 +142,23 @@ def test_describe_prints_type_default_allowed_and_description(capsys):
   assert code == 0 and "  not here:    Qwix's quantized training; int4 and MaxText's other modes" in out
   code, out, _ = _tool(["train.py", "--describe=Checkpointing"], capsys)
   assert code == 0 and "  checkpoint_period (int, default 100): save after every N-th step" in out
+
+
+def test_describe_group_headers_are_whole_sentences(capsys):
+  """Each group's header in `--describe all` (and `--describe GROUP`) is its docstring's first paragraph, whole: the
+  first line of a wrapped docstring stopped Quantization, Remat, SplashAttention, Grpo and Mesh mid-sentence."""
+  code, out, _ = _tool(["train.py", "--describe", "all"], capsys)
+  assert code == 0
+  headers = dict(line.split(": ", 1) for line in out.splitlines() if not line.startswith(" "))
+  assert set(headers) == {g.__name__ for g in (*schema.GROUPS, Derived)}
+  for name, header in headers.items():
+    group = next(g for g in (*schema.GROUPS, Derived) if g.__name__ == name)
+    paragraph = " ".join(group.__doc__.strip().split("\n\n")[0].split())
+    assert header == paragraph and header.endswith("."), (name, header)
+  assert headers["Mesh"].endswith('may hold one -1 = "the rest".')
+  assert headers["Quantization"].endswith("everything stored in full precision.")
+  code, out, _ = _tool(["train.py", "--describe", "Remat"], capsys)
+  assert out.splitlines()[0].endswith("device (kept in HBM) or offload (host memory).")
 
 
 def test_describe_of_an_unknown_key_is_one_line_with_the_closest(capsys):
@@ -225,7 +243,8 @@ def test_numeric_bounds_sit_on_the_fields_and_are_checked_wherever_a_value_comes
   """A key's bounds are its Field's (gt/ge/lt/le): every default lies inside them, --describe prints them, and a value
   outside them is one line whether it comes from the command line, a YAML file or code that builds a config dict."""
   assert schema.range_text("adam_b1") == "[0, 1)" and schema.range_text("steps") == "positive"
-  assert schema.range_text("learning_rate_final_fraction") == "[0, 1]" and schema.range_text("seed") is None
+  assert schema.range_text("learning_rate_final_fraction") == "[0, 1]" and schema.range_text("seed") == "[0, 2**32)"
+  assert schema.range_text("eval_interval") is None
   for key in schema.FIELDS:
     schema.check_range(key, schema.FIELDS[key].default)
   code, out, _ = _tool(["train.py", "--describe", "warmup_steps_fraction"], capsys)

@@ -50,13 +50,47 @@ def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
   # 1.15M float32 params over 8 devices = 0.55 MiB each; Adam keeps two moments of the same size.
   assert _value(text, "params") == pytest.approx(1151616 * 4 / 8 / 2**20, abs=0.06)
   assert _value(text, "optimizer state") == pytest.approx(2 * _value(text, "params"), abs=0.11)
-  assert "FLOPs per device per step: compiled" in text and "HBM" not in text
+  # tiny scans its layers: XLA's count (one layer's) is left out, the model's is printed
+  assert "FLOPs per device per step: model " in text and "HBM" not in text
+  assert "XLA's compiled count is left out" in text and "compiled 0." not in text
   # The total is the compiler's own allocation, read from this compile's dump, and the lines add up to it.
   assert "of device memory (the compiler's buffer assignment)" in text
   parts = _value(text, "arguments") + _value(text, "outputs") - _aliased(text) + _value(text, "temporaries")
   assert _value(text, "total needed") == pytest.approx(parts, abs=0.2)
   assert out.stat().st_size > 10_000
   assert "live at the memory peak, per device" in text  # (what it says: the next test)
+
+
+def test_compiled_flops_are_printed_only_for_a_program_without_loops():
+  """XLA's cost_analysis() counts a while loop's body once: a scan over 8 layers costs one layer. The report printed
+  that figure beside the model's (0.2371 s against 15.29 s of roofline time on v5p); now only where no loop runs."""
+  import jax
+  import jax.numpy as jnp
+
+  x, w = jnp.ones((64, 64)), jnp.ones((8, 64, 64))
+
+  def scanned(x):
+    return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+
+  def unrolled(x):
+    for i in range(8):
+      x = jnp.tanh(x @ w[i])
+    return x
+
+  def counted(fn):
+    compiled = jax.jit(fn).lower(x).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]), len(compile_step._WHILE.findall(compiled.as_text()))
+
+  (scan_flops, scan_loops), (flat_flops, flat_loops) = counted(scanned), counted(unrolled)
+  work = 8 * 2 * 64**3
+  assert flat_loops == 0 and flat_flops >= work and scan_loops == 1 and scan_flops < work / 4
+  line = compile_step.flops_line(scan_flops, work, scan_loops, scan_layers=True)
+  assert line.startswith("FLOPs per device per step: model 0.00 GFLOP (XLA's compiled count is left out")
+  assert not re.search(r"compiled \d", line) and "runs 1 loop, the scanned layers among them" in line
+  line = compile_step.flops_line(flat_flops, work, flat_loops, scan_layers=False)
+  assert line.startswith(f"FLOPs per device per step: compiled {flat_flops / 1e9:.2f} GFLOP, model 0.00 GFLOP")
 
 
 def test_tiny_on_cpu_8_names_each_buffer_at_the_peak_with_its_role_and_size():
@@ -168,6 +202,7 @@ def test_tiny_on_v5p_8_fits(slices, mesh, users_flags):
   assert allocated and summed and float(allocated.group(1)) < float(summed.group(1)), proc.stdout
   assert _host_mib(proc.stdout) == (0, 0)  # no offload asked for
   assert "roofline step time at the v5p bf16 peak (459 TFLOP/s)" in proc.stdout
+  assert "s for model FLOPs -> at most" in proc.stdout and "for compiled FLOPs" not in proc.stdout  # scanned layers
   if users_flags:
     assert f"XLA flags (LIBTPU_INIT_ARGS from the environment): {users_flags}" in proc.stdout
   else:

@@ -190,6 +190,27 @@ def _tflop(n: float) -> str:
   return f"{n / 1e12:.2f} TFLOP" if n >= 1e12 else f"{n / 1e9:.2f} GFLOP"
 
 
+# A while loop in HLO text: `%while.12 = (...) while(%tuple.3), condition=..., body=...`.
+_WHILE = re.compile(r"\swhile\(")
+
+
+def flops_line(compiled_flops: float, model_flops: float, loops: int, scan_layers: bool) -> str:
+  """The report's FLOPs line. XLA's cost_analysis() counts a while loop's body once, whatever its trip count (a
+  scanned 32-layer stack as one layer, on CPU and TPU alike), so with a loop in the program its figure is not the
+  step's work and is left out rather than printed beside the model's."""
+  if not loops:
+    return (
+      f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
+      "(compiled includes rematerialisation and non-matmul work)"
+    )
+  what = "the scanned layers among them" if scan_layers else "gradient accumulation, chunked logits or MLPs"
+  return (
+    f"FLOPs per device per step: model {_tflop(model_flops)} (XLA's compiled count is left out: it counts a loop's "
+    f"body once, and this step runs {loops} loop{'s' if loops > 1 else ''}, {what}; scan_layers=false without "
+    "loops gives the full count)"
+  )
+
+
 def report(
   config: Any,
   target: topologies.Target,
@@ -258,15 +279,8 @@ def report(
       f"dots in the compiled program (a scanned layer's once): {low} of {sum(counts.values())} in "
       f"{config.quantization} ({kinds})"
     ]
-  lines += [
-    f"FLOPs per device per step: compiled {_tflop(compiled_flops)}, model {_tflop(model_flops)} "
-    "(compiled includes rematerialisation and non-matmul work"
-    + (
-      "; XLA's TPU cost analysis counts the scanned layer loop once, compile with scan_layers=false for the full count)"
-      if config.scan_layers and target.platform == "tpu"
-      else ")"
-    ),
-  ]
+  loops = len(_WHILE.findall(compiled.as_text()))
+  lines += [flops_line(compiled_flops, model_flops, loops, config.scan_layers)]
   fits = True
   if target.chip is not None:
     hbm = target.chip.hbm_bytes
@@ -281,8 +295,9 @@ def report(
     lines += [
       f"HBM per device: {_gib(hbm)} -> {verdict}",
       f"roofline step time at the {target.chip.family} bf16 peak ({target.chip.peak_bf16_tflops:.0f} TFLOP/s): "
-      f"{model_flops / peak:.4g} s for model FLOPs, {compiled_flops / peak:.4g} s for compiled FLOPs "
-      f"-> at most {tokens / (model_flops / peak) / config.num_devices:,.0f} tokens/s/device",
+      f"{model_flops / peak:.4g} s for model FLOPs"
+      + (f", {compiled_flops / peak:.4g} s for compiled FLOPs" if not loops else "")
+      + f" -> at most {tokens / (model_flops / peak) / config.num_devices:,.0f} tokens/s/device",
     ]
   return "\n".join(lines), fits
 

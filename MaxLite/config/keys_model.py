@@ -44,7 +44,7 @@ class ModelArchitecture(BaseModel):
     ["silu", "linear"],
     description="gated MLP act(x W_gate) * (x W_up): silu,linear (SwiGLU) | gelu,linear (GeGLU)",
   )
-  normalization_layer_epsilon: float = Field(1e-05, description="RMSNorm epsilon")
+  normalization_layer_epsilon: float = Field(1e-05, gt=0, description="RMSNorm epsilon")
   attention_bias: bool = Field(False, description="learned biases on the query, key and value projections (Qwen2.5)")
   use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head's features before RoPE (Qwen3)")
   use_iota_embed: bool = Field(
@@ -61,7 +61,9 @@ class ModelArchitecture(BaseModel):
   )
   fused_mlp: bool = Field(False, description="one [embed, 2, mlp] gate+up kernel (dense MLP only)")
   dropout_rate: float = Field(0.0, ge=0, lt=1, description="dropout on attention output and MLP output (0 = off)")
-  dense_init_scale: float = Field(1.0, description="multiplier on the default (fan-in scaled) weight initialisation")
+  dense_init_scale: float = Field(
+    1.0, ge=0, description="multiplier on the default (fan-in scaled) weight initialisation"
+  )
 
   @model_validator(mode="after")
   def _shapes(self) -> ModelArchitecture:
@@ -78,7 +80,7 @@ class ModelArchitecture(BaseModel):
 class Rope(BaseModel):
   """Rotary position embeddings: theta and the long-context scalings (llama3.1, yarn)."""
 
-  rope_max_timescale: float = Field(10000.0, description="RoPE theta (Llama 2: 10000, Llama 3: 500000)")
+  rope_max_timescale: float = Field(10000.0, gt=0, description="RoPE theta (Llama 2: 10000, Llama 3: 500000)")
   rope_type: RopeType = Field(
     "default",
     description="default | llama3.1 (Llama 3.1+ frequency scaling) | yarn (YaRN); see layers/rope.py",

@@ -70,7 +70,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     raise ConfigError(f"config file not found: {path}")
   try:
     with open(path) as f:
-      data = yaml.safe_load(f) or {}
+      data = yaml.load(f, Loader=schema.TextLoader) or {}  # scalars as written: the schema types them
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f" line {mark.line + 1}" if mark else ""
@@ -89,6 +89,11 @@ def _read_with_inheritance(path: str, seen: tuple[str, ...] = ()) -> dict[str, A
   if parent is None:
     return data
   parent_path = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(path), parent)
+  shipped = os.path.join(storage.bundled_root(), parent)
+  if not os.path.isfile(parent_path) and not os.path.isabs(parent) and os.path.isfile(shipped):
+    # A shipped config by its path in the checkout (plan.py writes base_config: configs/base.yml), found from any
+    # checkout or install; a file beside the YAML still wins.
+    parent_path = shipped
   merged = _read_with_inheritance(parent_path, seen + (path,))
   merged.update(data)
   return merged
@@ -152,17 +157,22 @@ def coerce(key: str, value: Any, default: Any, source: str) -> Any:
   return value
 
 
-def _merge(config: dict[str, Any], updates: Mapping[str, Any], source: str, defaults: Mapping[str, Any]) -> None:
+def _merge(
+  config: dict[str, Any], updates: Mapping[str, Any], source: str, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+  """Set `updates` on `config`, each typed by its key; returns the typed updates."""
+  typed = {}
   for key, value in updates.items():
     if key not in defaults:
       raise _unknown_key_error(key, source, list(defaults))
-    config[key] = coerce(key, value, defaults[key], source)
+    config[key] = typed[key] = coerce(key, value, defaults[key], source)
+  return typed
 
 
 def _canonical(updates: Mapping[str, Any], source: str) -> dict[str, Any]:
   """Old MaxLite key names -> MaxText's, with a one-line deprecation warning each; MaxText's `rl:` group flattened."""
   out = {}
-  for key, value in maxtext_compat.flatten_rl(dict(updates)).items():
+  for key, value in maxtext_compat.flatten_rl(dict(updates), source).items():
     new = maxtext_compat.RENAMED.get(key)
     if new is not None:
       print(
@@ -183,13 +193,14 @@ def _canonical(updates: Mapping[str, Any], source: str) -> dict[str, Any]:
   return out
 
 
-def parse_overrides(overrides: Sequence[str]) -> dict[str, str]:
-  parsed = {}
+def parse_overrides(overrides: Sequence[str]) -> dict[str, str | None]:
+  """key=value arguments as {key: text}; YAML's null (`key=null`, `key=~`) is None, as it is in a file."""
+  parsed: dict[str, str | None] = {}
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"command-line argument {item!r} is not key=value")
     key, value = item.split("=", 1)
-    parsed[key.strip()] = value
+    parsed[key.strip()] = None if value.strip() in schema.NULL_TEXTS else value
   return parsed
 
 
@@ -213,7 +224,7 @@ def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
   defaults = schema.defaults()
   config = schema.defaults()
   from_file = _canonical(_read_with_inheritance(config_path), f"from {config_path}")
-  _merge(config, from_file, f"from {config_path}", defaults)
+  typed_from_file = _merge(config, from_file, f"from {config_path}", defaults)
 
   model_name = coerce("model_name", overrides.get("model_name", config["model_name"]), "", "model_name")
   if model_name != "default":
@@ -224,7 +235,7 @@ def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
   _merge(config, overrides, "from command line", defaults)
   # Where each explicitly set key was set, for errors. A YAML chain ends in base.yml itself, so only its values that
   # differ from base.yml count as set.
-  explicit = {k: f"in {config_path}" for k, v in from_file.items() if defaults.get(k) != v}
+  explicit = {k: f"in {config_path}" for k, v in typed_from_file.items() if defaults.get(k) != v}
   if model_name != "default":
     explicit |= {k: f"by model_name={model_name}" for k in _read_yaml(os.path.join(MODELS_DIR, f"{model_name}.yml"))}
   explicit |= {k: "on the command line" for k in overrides}

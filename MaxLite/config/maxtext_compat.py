@@ -11,6 +11,8 @@ import os
 from typing import Any
 
 from MaxLite import storage
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import schema
 
 # Old MaxLite name -> MaxText's name for the same setting.
 RENAMED = {
@@ -33,19 +35,36 @@ def unimplemented() -> frozenset[str]:
     return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
 
 
-def flatten_rl(updates: dict[str, Any]) -> dict[str, Any]:
+def rl_keys() -> tuple[str, ...]:
+  """The keys `rl:` / rl.KEY may set: the Grpo group's (MaxText's rl keys MaxLite has)."""
+  return tuple(key for key, group in schema.GROUP_OF.items() if group.__name__ == "Grpo")
+
+
+def flatten_rl(updates: dict[str, Any], source: str = "") -> dict[str, Any]:
   """MaxText's post_train/rl.yml groups its GRPO keys under `rl:` (and its commands set them as rl.KEY=VALUE); MaxLite
   holds them at the top level, as MaxText's older GRPO configs did, so both spellings set the same key. rl.yml's
-  `epsilon_high: null` (= grpo_epsilon) is MaxLite's -1."""
+  `epsilon_high: null` (= grpo_epsilon) is MaxLite's -1. Only RL keys (and MaxText's RL keys MaxLite lacks, named as
+  such by the loader) may be spelled so: `rl.steps=5` is refused, never taken as the run's `steps`."""
   out: dict[str, Any] = {}
+  allowed = rl_keys()
   for key, value in updates.items():
     if key == "rl" and isinstance(value, dict):
-      nested = value.items()
+      nested = [(str(name), item) for name, item in value.items()]
     elif key.startswith("rl."):
       nested = [(key[len("rl.") :], value)]
     else:
       out[key] = value
       continue
     for name, item in nested:
+      if name not in allowed and name not in unimplemented():
+        where = f" ({source})" if source else ""
+        top = f"; {name} is a top-level key: write {name}={item}" if _is_config_key(name) else ""
+        raise ConfigError(
+          f"rl.{name}={item}{where} is not an RL key: the rl group holds only GRPO's keys (--describe Grpo){top}"
+        )
       out[name] = -1.0 if name == "epsilon_high" and item in (None, "null", "None") else item
   return out
+
+
+def _is_config_key(name: Any) -> bool:
+  return name in schema.FIELDS or name in RENAMED

@@ -18,6 +18,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import textwrap
 import typing
 from collections.abc import Mapping, Sequence
@@ -140,19 +141,28 @@ def value_range(key: str) -> tuple[float, float, bool, bool] | None:
 _BOUNDED = tuple(key for key in FIELDS if value_range(key) is not None)
 
 
+def _bound_text(bound: float) -> str:
+  """A bound as written: 2**32 for a large power of two (a seed's limit), else the number."""
+  if isinstance(bound, int) and bound >= 2**16 and bound & (bound - 1) == 0:
+    return f"2**{bound.bit_length() - 1}"
+  return f"{bound:g}"
+
+
 def range_text(key: str) -> str | None:
-  """The key's bounds as an interval, "(0, inf)", "[0, 1)"; "positive" for a count (an int key above 0)."""
+  """The key's bounds as an interval, "(0, inf)", "[0, 1)", "[0, 2**32)"; "positive" for a count (an int key above
+  0)."""
   bounds = value_range(key)
   if bounds is None:
     return None
   low, high, low_in, high_in = bounds
   if (low, low_in, high) == (0, False, math.inf) and base_type(key) is int:
     return "positive"
-  return f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+  return f"{'[' if low_in else '('}{_bound_text(low)}, {_bound_text(high)}{']' if high_in else ')'}"
 
 
-def check_range(key: str, value: Any) -> None:
-  """One ConfigError line when a numeric key's value is outside its declared bounds (NaN is outside every one)."""
+def check_range(key: str, value: Any, written: str | None = None) -> None:
+  """One ConfigError line when a numeric key's value is outside its declared bounds (NaN is outside every one);
+  `written` is the value as the user wrote it (1e30 rather than its 31 digits), when it came as text."""
   bounds = value_range(key)
   if bounds is None:
     return
@@ -161,7 +171,9 @@ def check_range(key: str, value: Any) -> None:
   below = value <= high if high_in else value < high
   if not (above and below):
     shown = range_text(key)
-    raise ConfigError(f"{key} must be {shown if shown == 'positive' else 'in ' + shown}, got {value}")
+    # An int written as 1e30 is shown so, not as its 31 digits; every other value as it was read (0 -> 0.0).
+    got = written if written is not None and isinstance(value, int) and len(str(value)) > len(written) + 3 else value
+    raise ConfigError(f"{key} must be {shown if shown == 'positive' else 'in ' + shown}, got {got}")
 
 
 def check_ranges(config: Mapping[str, Any]) -> None:
@@ -194,23 +206,93 @@ def _adapter(key: str) -> pydantic.TypeAdapter:
   return pydantic.TypeAdapter(FIELDS[key].annotation)
 
 
-def coerce(key: str, value: Any, source: str) -> Any:
-  """`value` (from a YAML file, a command line or a checkpoint's saved config) as the key's type, or one ConfigError
-  line naming the key, where it was set and what it takes."""
-  want = base_type(key)
-  if isinstance(value, str) and want in (int, float):
-    for parse in (int, float):  # YAML 1.1 reads "1e-4" as a string; Python does not
-      try:
-        value = parse(value)
-        break
-      except ValueError:
-        pass
-  if isinstance(value, str) and want is not str:
+class TextLoader(yaml.SafeLoader):
+  """YAML as config files and `key=value` lists are read: every plain scalar stays the text as written, except YAML's
+  null (`null`, `~`, nothing) and `<<` merges. YAML 1.1 would read `run_name: 2024_01_15` as 20240115, `12:30` as 750,
+  `010` as 8 and `prompt: 3.10` as 3.1; `coerce` types each value from its key instead (text for a string key,
+  decimal numbers for a number key)."""
+
+
+TextLoader.yaml_implicit_resolvers = {
+  first: kept
+  for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+  if (kept := [(tag, regexp) for tag, regexp in resolvers if tag.endswith((":null", ":merge"))])
+}
+
+
+# How YAML writes null: on the command line `key=null` means the same as in a file (never the text "null").
+NULL_TEXTS = frozenset({"null", "Null", "NULL", "~"})
+_BOOL_TEXTS = {
+  **dict.fromkeys(("true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"), True),
+  **dict.fromkeys(("false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"), False),
+}
+_NOT_DECIMAL = {
+  "hexadecimal": re.compile(r"[-+]?0[xX]"),
+  "octal": re.compile(r"[-+]?0[oO]"),
+  "binary": re.compile(r"[-+]?0[bB]"),
+  "a leading 0 (octal in YAML 1.1)": re.compile(r"[-+]?0[0-9_]+$"),
+  "base 60 (YAML 1.1's h:m:s)": re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$"),
+}
+_YAML_SPECIAL_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+
+
+def _number(key: str, text: str, source: str) -> int | float | str:
+  """A number key's text as the number it writes in decimal (1000, 1_000, -3, 2.5, 1e-4, 3E5, inf, nan), else the
+  text unchanged (the caller's type error names it); hexadecimal, octal, binary, a leading 0 and base 60 are one
+  ConfigError line, as YAML 1.1 and Python read them differently (0x10, 010, 12:30)."""
+  stripped = text.strip()
+  for what, pattern in _NOT_DECIMAL.items():
+    if pattern.match(stripped):
+      raise ConfigError(
+        f"config key {key!r} ({source}) takes a decimal number (e.g. 16, -3, 2.5, 1e-4), got {text!r}: {what} is not "
+        "read"
+      )
+  for parse in (int, float):
     try:
-      value = yaml.safe_load(value) if value.strip() else value
+      return parse(stripped)
+    except ValueError:
+      pass
+  return _YAML_SPECIAL_FLOATS.get(stripped.lower(), text)
+
+
+def _null(key: str, source: str) -> str:
+  """A string key given null: "" where "" is the key's unset value (run_name="" = a timestamp name), else an error."""
+  default = FIELDS[key].default
+  if default == "":
+    return ""
+  raise ConfigError(
+    f"config key {key!r} ({source}) is a string and got null; give the text (default {default!r}), or quote it "
+    '("null") to mean the word'
+  )
+
+
+def _list_items(key: str, value: list[Any], source: str) -> list[Any]:
+  """A list key's text items typed as its items: numbers in decimal (as `_number`), text kept."""
+  (item_type,) = typing.get_args(FIELDS[key].annotation) or (Any,)
+  if item_type in (int, float):
+    return [_number(key, v, source) if isinstance(v, str) else v for v in value]
+  return value
+
+
+def coerce(key: str, value: Any, source: str) -> Any:
+  """`value` (a YAML file's or a command line's text, a checkpoint's saved config, a value set in code) as the key's
+  type, or one ConfigError line naming the key, where it was set and what it takes. A string key keeps the text as
+  written; a number key takes decimal numbers; None is YAML's null."""
+  want = base_type(key)
+  written = value
+  if isinstance(value, str) and want in (int, float):
+    value = _number(key, value, source)
+  elif isinstance(value, str) and want is bool:
+    value = _BOOL_TEXTS.get(value.strip(), value)
+  elif isinstance(value, str) and want is list:
+    try:
+      value = yaml.load(value, Loader=TextLoader) if value.strip() else value
     except yaml.YAMLError:
       pass
-  bad = ConfigError(f"config key {key!r} ({source}) expects {type_name(key)}, got {value!r}")
+  if value is None and want is str:
+    value = _null(key, source)
+  shown = "null" if value is None else repr(value)
+  bad = ConfigError(f"config key {key!r} ({source}) expects {type_name(key)}, got {shown}")
   # Deliberately stricter than pydantic's lax mode: 1 is not a bool, 2.5 is not an int, true is not a string.
   if want is bool:
     if not isinstance(value, bool):
@@ -231,7 +313,7 @@ def coerce(key: str, value: Any, source: str) -> Any:
   elif want is list:
     if not isinstance(value, (list, tuple)):
       raise bad
-    value = list(value)
+    value = _list_items(key, list(value), source)
   choices = allowed_values(key)
   if choices is not None and value not in choices:
     raise not_one_of(key, value, choices)
@@ -239,7 +321,7 @@ def coerce(key: str, value: Any, source: str) -> Any:
     value = _adapter(key).validate_python(value)  # list items: list[str], list[float] ("1e-3" becomes 0.001)
   except pydantic.ValidationError:
     raise bad from None
-  check_range(key, value)
+  check_range(key, value, written.strip() if isinstance(written, str) else None)
   return value
 
 
@@ -278,6 +360,11 @@ def _describe_derived(key: str) -> str:
   return "\n".join(lines)
 
 
+def group_summary(group: type) -> str:
+  """A group's header line: its docstring's first paragraph, whole (a wrapped first line would stop mid-sentence)."""
+  return " ".join((group.__doc__ or "").strip().split("\n\n")[0].split())
+
+
 def describe(name: str) -> str:
   """--describe's answer: one key; a group of keys by its name (e.g. Checkpointing), each key's line; or `all`."""
   if name in FIELDS or name in DERIVED:
@@ -291,7 +378,7 @@ def describe(name: str) -> str:
     raise ConfigError(f"unknown config key {name!r}{hint}")
   out = []
   for group in chosen:
-    out.append(f"{group.__name__}: {group.__doc__.strip().splitlines()[0]}")
+    out.append(f"{group.__name__}: {group_summary(group)}")
     if group is Derived:
       out += [f"  {key} ({_annotation_name(f.return_type)}): {f.description}" for key, f in DERIVED.items()]
       continue
@@ -316,6 +403,7 @@ def keys_help(program: str) -> str:
 
 
 CHECKED_GROUPS = tuple(g for g in GROUPS if g.__pydantic_decorators__.model_validators)
+_FLOAT_KEYS = tuple(key for key in FIELDS if base_type(key) is float)
 
 
 def check_cross_keys(config: Mapping[str, Any]) -> None:
@@ -325,6 +413,10 @@ def check_cross_keys(config: Mapping[str, Any]) -> None:
   check_ranges(config)
   for group in CHECKED_GROUPS:
     group.model_validate({key: config[key] for key in group.model_fields})
+  # No key means anything by NaN: one without bounds or a check of its own would take it silently.
+  for key in _FLOAT_KEYS:
+    if math.isnan(config[key]):
+      raise ConfigError(f"{key} must be a number, got nan")
 
 
 def derived_problems(config: Mapping[str, Any]) -> list[str]:

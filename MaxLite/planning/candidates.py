@@ -202,8 +202,9 @@ def prune(
   plans: list[Candidate], raw: dict[str, Any], target: Target, num_slices: int
 ) -> tuple[list[Candidate], dict[str, list[tuple[Candidate, Any]]]]:
   """(plans that may fit, fastest optimistic first; the others by kind: "invalid" with the validator's reason,
-  "does not fit" with the bytes per device they need at least)."""
-  rejected: dict[str, list[tuple[Candidate, Any]]] = {"invalid": [], "does not fit": []}
+  "does not fit" with the bytes per device they need at least, "smaller batch" with the batch of its family that is
+  compiled instead). Every plan is in exactly one of them."""
+  rejected: dict[str, list[tuple[Candidate, Any]]] = {"invalid": [], "does not fit": [], "smaller batch": []}
   kept = []
   hbm = target.chip.hbm_bytes if target.chip else float("inf")
   for plan in plans:
@@ -217,8 +218,10 @@ def prune(
       continue
     plan.optimistic_s = optimistic_seconds(plan.config, target) if target.chip else 0.0
     kept.append(plan)
-  kept = _largest_batches(kept)
-  kept.sort(key=_order)
+  largest = _largest_batches(kept)
+  chosen = {id(plan) for plan in largest}
+  rejected["smaller batch"] = [(plan, None) for plan in kept if id(plan) not in chosen]
+  kept = sorted(largest, key=_order)
   return kept, rejected
 
 

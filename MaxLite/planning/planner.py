@@ -40,9 +40,12 @@ def run(argv: Sequence[str], explain_plan: int = 0, plan_output: str = "") -> in
   plans = candidates.enumerate_plans(raw, target, num_slices, pinned)
   kept, rejected = candidates.prune(plans, raw, target, num_slices)
   baseline = candidates.Candidate({})  # the config exactly as given: compiled first, marked in the table
+  searched = len(plans)
   if candidates.validate(baseline, raw, target, num_slices) is None:
     # A searched plan that sets every key to the config's own value is the baseline again: compiled once, as it.
+    rejected["the config as given"] = [(plan, None) for plan in kept if plan.config == baseline.config]
     kept = [baseline] + [plan for plan in kept if plan.config != baseline.config]
+    searched += 1
   if not kept:
     raise ConfigError(_nothing_fits(raw, target, num_slices, rejected))
   print(
@@ -75,7 +78,7 @@ def run(argv: Sequence[str], explain_plan: int = 0, plan_output: str = "") -> in
     print("* = the config as given")
   elif configured is not None:
     print(f"the config as given does not fit: {configured.error or f'{configured.device_bytes / GiB:.1f} GiB'}")
-  print(rejections(rejected, results, stopped))
+  print(rejections(rejected, results, stopped, searched=searched, not_compiled=len(kept) - len(results)))
   if not ranked:
     raise ConfigError(f"no compiled plan fits {target.name}; " + _nothing_fits(raw, target, num_slices, rejected))
   if explain_plan:
@@ -130,7 +133,11 @@ def table(ranked: list[tuple[int, search.Result]], target: topologies.Target) ->
   return "\n".join(lines)
 
 
-def rejections(rejected: dict[str, list[str]], results: list[search.Result], stopped: str) -> str:
+def rejections(
+  rejected: dict[str, list], results: list[search.Result], stopped: str, searched: int = 0, not_compiled: int = 0
+) -> str:
+  """Why each plan searched is not in the table, by kind; the kinds and the table's plans add up to `searched` (every
+  plan enumerated, and the config as given), which the last line shows."""
   lines = ["rejected:"]
   invalid = rejected["invalid"]
   if invalid:
@@ -147,6 +154,16 @@ def rejections(rejected: dict[str, list[str]], results: list[search.Result], sto
       f"  {len(short)} cannot fit by the memory lower bound; the closest, {describe(plan)}, needs at least "
       f"{needed / GiB:.1f} GiB per device"
     )
+  smaller = rejected.get("smaller batch", [])
+  if smaller:
+    lines.append(
+      f"  {len(smaller)} smaller batches of a layout, remat policy and kernel whose two largest batches within the "
+      "memory bound are compiled instead (a smaller batch moves the same weights for fewer tokens)"
+    )
+  again = rejected.get("the config as given", [])
+  if again:
+    lines.append(f"  {len(again)} the config as given again (compiled once, as it)")
+  ranked = [r for r in results if r.fits and r.prediction]
   too_big = [r for r in results if not r.fits and ("DOES NOT FIT" in r.error or r.device_bytes)]
   if too_big:
     worst = min(too_big, key=lambda r: r.device_bytes or float("inf"))
@@ -154,11 +171,28 @@ def rejections(rejected: dict[str, list[str]], results: list[search.Result], sto
       f"  {len(too_big)} compiled but did not fit, e.g. {describe(worst.plan)}: "
       + (worst.error or f"needs {worst.device_bytes / GiB:.1f} GiB per device")
     )
-  failed = [r for r in results if not r.fits and r.error and "DOES NOT FIT" not in r.error]
+  answered = {id(r) for r in ranked + too_big}
+  failed = [r for r in results if id(r) not in answered]  # every other answer: a compile that failed
   if failed:
-    lines.append(f"  {len(failed)} failed to compile, e.g. {describe(failed[0].plan)}: {failed[0].error}")
+    error = next((r.error for r in failed if r.error), "no prediction")
+    lines.append(f"  {len(failed)} failed to compile, e.g. {describe(failed[0].plan)}: {error}")
+  if not_compiled:
+    lines.append(f"  {not_compiled} not compiled (the search stopped first; see below)")
   cached = sum(r.cached for r in results)
   lines.append(f"search: {len(results)} plans evaluated ({cached} from the cache); stopped because {stopped}")
+  if searched:
+    kinds = [
+      (len(ranked), "ranked"),
+      (len(too_big), "did not fit"),
+      (len(failed), "failed"),
+      (not_compiled, "not compiled"),
+      (len(rejected["invalid"]), "invalid"),
+      (len(short), "below the memory bound"),
+      (len(smaller), "smaller batches"),
+      (len(again), "the config as given again"),
+    ]
+    given = " (those enumerated and the config as given)" if "the config as given" in rejected else ""
+    lines.append(f"plans searched{given}: {searched} = " + " + ".join(f"{n} {what}" for n, what in kinds if n))
   return "\n".join(lines)
 
 
@@ -176,15 +210,36 @@ def explain(r: search.Result, target: topologies.Target) -> str:
     "or by XLA to fit the memory)",
     "  largest collectives (per step):",
   ]
-  for c in r.collectives:
-    lines.append(
-      f"    {c['kind']:<18} over {'x'.join(c['axes']) or '?':<14} {c['bytes'] / 2**20:>9.1f} MiB x {c['runs']:g} "
-      f"= {c['seconds'] * c['runs']:.4f} s"
-    )
+  rows = [
+    f"    {c['kind']:<18} over {'x'.join(c['axes']) or '?':<14} {c['bytes'] / 2**20:>9.1f} MiB x {c['runs']:g} "
+    f"= {c['seconds'] * c['runs']:.4f} s"
+    for c in r.collectives
+  ]
+  lines += _alike(rows, "collectives")
   if r.assumed:  # the reader costed these on a conservative guess (the program's text did not say)
     lines.append(f"  costed on an assumption ({len(r.assumed)}):")
-    lines += [f"    {line}" for line in r.assumed[:8]]
+    lines += _alike([f"    {line}" for line in r.assumed], "ops")[:8]
   return "\n".join(lines)
+
+
+def _alike(rows: list[str], what: str) -> list[str]:
+  """Each distinct row once, in first-seen order, with how many rows it stands for: `--explain` listed the gradient
+  all-reduces of same-shaped weights line after identical line."""
+  counts: dict[str, int] = {}
+  for row in rows:
+    counts[row] = counts.get(row, 0) + 1
+  return [row + (f"  ({n} {what} alike, each)" if n > 1 else "") for row, n in counts.items()]
+
+
+def base_config_for(yml: str, plan_path: str) -> str:
+  """The `base_config:` a plan written to `plan_path` names for the config `yml` it was searched from: never this
+  machine's absolute path (a TPU worker's checkout lies elsewhere). A config of the checkout (configs/...) by its
+  path in the checkout, which the loader finds in any checkout or install; another file relative to the plan."""
+  source = os.path.abspath(storage.resolve(yml))  # the file load_raw read, wherever plan ran
+  root = os.path.abspath(storage.bundled_root())
+  if os.path.commonpath([source, root]) == root:
+    return os.path.relpath(source, root)
+  return os.path.relpath(source, os.path.dirname(os.path.abspath(plan_path)))
 
 
 def write_plan(path: str, argv: Sequence[str], best: search.Result) -> None:
@@ -194,7 +249,7 @@ def write_plan(path: str, argv: Sequence[str], best: search.Result) -> None:
   lines = [
     f"# Written by plan.py: predicted MFU {100 * p['mfu']:.1f}%, {p['tokens_per_s_per_chip']:,.0f} tokens/s/chip, "
     f"{best.device_bytes / GiB:.1f} GiB per device, bottleneck {best.bottleneck}.",
-    f"base_config: {os.path.abspath(storage.resolve(yml))}",  # the file load_raw read, wherever plan ran
+    f"base_config: {base_config_for(yml, path)}",
   ]
   values: dict[str, Any] = dict(a.split("=", 1) for a in user)
   values.update(best.plan.overrides)

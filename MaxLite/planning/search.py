@@ -119,11 +119,12 @@ def _store(path: str, payload: dict[str, Any]) -> None:
 _dump_dir: str | None = None
 
 
-def _init_worker(target_name: str) -> None:
+def _init_worker(target_name: str, parent_dir: str | None = None) -> None:
   from MaxLite.aot.compile_step import prepare_backend
 
   global _dump_dir
-  _dump_dir = tempfile.mkdtemp(prefix="maxlite_plan_")
+  # Inside the search's own folder, which it removes: a worker stopped at the time budget runs no atexit.
+  _dump_dir = tempfile.mkdtemp(prefix="maxlite_plan_", dir=parent_dir)
   atexit.register(shutil.rmtree, _dump_dir, ignore_errors=True)
   prepare_backend(topologies.parse(target_name), dump_dir=_dump_dir)
 
@@ -227,7 +228,12 @@ def run_search(
   hbm_gib: float = -1,
   progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> tuple[list[Result], str]:
-  """(results of the plans compiled or found in the cache, why the search stopped)."""
+  """(results of the plans compiled or found in the cache, why the search stopped and after how long).
+
+  The budget bounds the search's time, compiles in flight included: no compile starts when less of the budget is
+  left than the slowest compile so far took, and compiles still running when it is spent are stopped (their plans
+  count as not compiled), unless nothing has been answered yet (then the first answers are awaited: a search
+  with no compiled plan has nothing to rank)."""
   source = _source_digest()
   os.makedirs(cache, exist_ok=True)
   results: list[Result] = []
@@ -243,10 +249,13 @@ def run_search(
   start = time.monotonic()
   stopped = "every plan was compiled" if todo else "every plan was in the cache"
   context = multiprocessing.get_context("spawn")
+  dumps = tempfile.mkdtemp(prefix="maxlite_plan_search_")
   pool = concurrent.futures.ProcessPoolExecutor(
-    max_workers=max(1, workers), mp_context=context, initializer=_init_worker, initargs=(target.name,)
+    max_workers=max(1, workers), mp_context=context, initializer=_init_worker, initargs=(target.name, dumps)
   )
   running: dict[concurrent.futures.Future, tuple[Candidate, str]] = {}
+  submitted: dict[concurrent.futures.Future, float] = {}
+  slowest = 0.0  # the longest a compile has taken, from its submission (worker start-up included) to its answer
   failures = 0
   if todo and budget_s <= 0:
     progress(f"plan: {len(results)} plans found in the cache; plan_time_budget_s={budget_s:g} compiles no more")
@@ -264,21 +273,37 @@ def run_search(
           stopped = f"the frontier is clear: {len(todo)} plans left cannot beat the best even at their optimistic time"
           todo.clear()
           break
-        if time.monotonic() - start > budget_s:
-          stopped = f"the time budget plan_time_budget_s={budget_s:g} ran out with {len(todo)} plans not compiled"
+        left = budget_s - (time.monotonic() - start)
+        if left <= 0 or (slowest and left < slowest):
+          why = "ran out" if left <= 0 else f"had {left:.0f} s left, less than the slowest compile ({slowest:.0f} s)"
+          stopped = f"the time budget plan_time_budget_s={budget_s:g} {why}, with {len(todo)} plans not compiled"
           todo.clear()
           break
         todo.pop(0)
-        running[pool.submit(evaluate, plan.config, target.name, num_slices, hbm_gib)] = (plan, path)
+        future = pool.submit(evaluate, plan.config, target.name, num_slices, hbm_gib)
+        running[future], submitted[future] = (plan, path), time.monotonic()
       if not running:
         break
+      left = budget_s - (time.monotonic() - start)
+      if left <= 0 and results:  # compiles still running when the budget is spent: stopped, not awaited
+        stopped = (
+          f"the time budget plan_time_budget_s={budget_s:g} ran out: {len(running)} "
+          f"{'compile in flight was' if len(running) == 1 else 'compiles in flight were'} stopped"
+          + (f" and {len(todo)} plans not compiled" if todo else "")
+        )
+        todo.clear()
+        _stop_workers(pool)
+        break
       done, _ = concurrent.futures.wait(
-        running, timeout=PROGRESS_EVERY_S, return_when=concurrent.futures.FIRST_COMPLETED
+        running,
+        timeout=min(PROGRESS_EVERY_S, left) if left > 0 else PROGRESS_EVERY_S,
+        return_when=concurrent.futures.FIRST_COMPLETED,
       )
       if not done:  # still compiling: the bar moves with the time spent too
         progress(_progress_line(results, len(todo) + len(running), time.monotonic() - start, budget_s))
       for future in done:
         plan, path = running.pop(future)
+        slowest = max(slowest, time.monotonic() - submitted.pop(future))
         try:
           payload = future.result()
         except Exception as e:  # a worker that died (e.g. out of host memory) fails its plan only
@@ -294,7 +319,19 @@ def run_search(
         progress(_progress_line(results, len(todo) + len(running), time.monotonic() - start, budget_s))
   finally:
     pool.shutdown(wait=True, cancel_futures=True)
-  return results, stopped
+    shutil.rmtree(dumps, ignore_errors=True)
+  return results, f"{stopped}; {time.monotonic() - start:.0f} s spent"
+
+
+def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+  """End the compiles in flight (a compile cannot be interrupted otherwise): the workers are ended, the pool's
+  futures fail and shutdown() returns at once."""
+  stop = getattr(pool, "terminate_workers", None)  # Python 3.14
+  if stop is not None:
+    stop()
+    return
+  for process in list((getattr(pool, "_processes", None) or {}).values()):
+    process.terminate()
 
 
 def _result(plan: Candidate, payload: dict[str, Any], cached: bool = False) -> Result:
