@@ -7,6 +7,7 @@ code may round differently when the process sees a different device count, so an
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -106,22 +107,45 @@ def test_sigterm_saves_current_step_and_exits_0(tmp_path):
   }
 
 
-def test_ctrl_c_saves_the_step_and_says_so(tmp_path):
-  """The first Ctrl-C (SIGINT to the terminal's process group) saves the current step, as preemption does, says so,
-  and the same command resumes from it (a second Ctrl-C: tests/test_train.py)."""
+@pytest.mark.parametrize(
+  "sig, through_tee, status",
+  [(signal.SIGINT, False, 130), (signal.SIGINT, True, 130), (signal.SIGHUP, True, 129), (signal.SIGTERM, True, 0)],
+  ids=["ctrl_c", "ctrl_c_piped_through_tee", "hangup_piped_through_tee", "sigterm_piped_through_tee"],
+)
+def test_a_signal_saves_the_step_wherever_the_log_goes(tmp_path, sig, through_tee, status):
+  """Ctrl-C (SIGINT to the terminal's process group), a hang-up and a scheduler's SIGTERM each save the step the run is
+  on and stop it, also when the log goes through `| tee log` and the signal ends tee first (every later write to the
+  pipe then fails with EPIPE); Ctrl-C and the hang-up exit 130 and 129 so `train && decode` stops there, SIGTERM 0;
+  the same command resumes from the saved step (a second Ctrl-C: tests/test_training_math.py)."""
   args = (*TINY, "dataset_type=synthetic", "per_device_batch_size=4", f"base_output_directory={tmp_path}")
   run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1000", "steps=100000")
-  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
-  proc = procs.start(procs.train_command(*run_args, "run_name=b"), log)
+  metrics, log, status_file = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log"), tmp_path / "status"
+  command = procs.train_command(*run_args, "run_name=b")
+  if through_tee:  # as typed in a terminal: both in one process group, which the terminal's Ctrl-C signals
+    train = " ".join(shlex.quote(a) for a in command)
+    # The shell that records train.py's status ignores the signal itself (train.py installs its own handlers).
+    record = f"{{ trap '' HUP TERM; {train} 2>&1; echo $? > {status_file}; }}"
+    command = ["bash", "-c", f"{record} | tee {shlex.quote(log)}.tee"]
+  proc = procs.start(command, log)
   procs.wait_for_step(proc, metrics, 3, log)
-  os.killpg(proc.pid, signal.SIGINT)
-  assert proc.wait(timeout=60) == 0, procs.tail(log)
+  os.killpg(proc.pid, sig)
+  code = proc.wait(timeout=120)
+  if through_tee:  # the outer shell may end at the signal, before train.py has saved and its status is written
+    deadline = time.monotonic() + 120
+    while not status_file.exists() or not status_file.read_text().strip():
+      assert time.monotonic() < deadline, procs.tail(f"{log}.tee")
+      time.sleep(0.2)
+    code = int(status_file.read_text())
+  shown = procs.tail(log if not through_tee else f"{log}.tee")
+  assert code == status, shown
   stopped_at = max(procs.losses(procs.metric_rows(metrics)))
-  assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == [str(stopped_at)]
-  assert "Ctrl-C: saving a checkpoint when this step ends" in procs.tail(log)
-  assert re.search(
-    rf"interrupted: saved a checkpoint at step {stopped_at} in \S+; run the same command", procs.tail(log)
-  )
+  assert stopped_at >= 3
+  assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == [str(stopped_at)], shown
+  if not through_tee:
+    assert "Ctrl-C: the steps already started finish, then a checkpoint is saved" in shown
+    assert re.search(rf"interrupted: saved a checkpoint at step {stopped_at} in \S+; run the same command", shown)
+    assert procs.run(procs.train_command(*args, "run_name=b", f"steps={stopped_at + 1}"), log) == 0, procs.tail(log)
+    assert max(procs.losses(procs.metric_rows(metrics))) == stopped_at + 1
 
 
 def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):

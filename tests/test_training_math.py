@@ -285,7 +285,7 @@ def test_a_first_ctrl_c_asks_for_a_save_and_a_second_one_interrupts_at_once(caps
     assert not watcher.reached(1)
     signal.raise_signal(signal.SIGINT)  # to this thread: its handler runs at the next bytecode
     assert watcher.reached(2) and watcher.interrupted
-    assert "Ctrl-C: saving a checkpoint when this step ends" in capsys.readouterr().err
+    assert "Ctrl-C: the steps already started finish, then a checkpoint is saved" in capsys.readouterr().err
     with pytest.raises(KeyboardInterrupt):
       signal.raise_signal(signal.SIGINT)
       for _ in range(100):

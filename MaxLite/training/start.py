@@ -11,6 +11,7 @@ from absl import logging
 
 from MaxLite import config as config_lib
 from MaxLite import storage
+from MaxLite.cli import streams
 from MaxLite.config import choices
 from MaxLite.parallel import topologies
 from MaxLite.runtime import compiler_options, distributed, preflight
@@ -77,8 +78,10 @@ def _say_native_path(config: config_lib.Config) -> None:
     print(note, flush=True)
 
 
-def run(argv: Sequence[str]) -> None:
-  """Train with the config of `argv` (CONFIG.yml key=value ...), in this process."""
+def run(argv: Sequence[str]) -> int:
+  """Train with the config of `argv` (CONFIG.yml key=value ...), in this process; the exit status: 0, or 130 / 129
+  for a run that Ctrl-C / a hang-up stopped (after saving its step)."""
+  streams.outlive_broken_streams()  # a log pipe or disk that fails must not stop the run before it saves
   raw = config_lib.load_raw(argv, resuming=True)
   tpu_present = distributed.tpu_chips_present()
   preflight.check_tpu_support(os.environ, tpu_present)
@@ -97,6 +100,8 @@ def run(argv: Sequence[str]) -> None:
   logging.info("attention kernel %s (%s)", config.attention_kernel, config.attention_choice)
   if config.quantization:
     _say_native_path(config)
+  from MaxLite.training import preemption
   from MaxLite.training.trainer import train
 
   train(config, lock=run_lock.hold)  # taken once the run's inputs are checked: a failing run writes nothing
+  return preemption.exit_code()
