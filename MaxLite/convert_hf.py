@@ -11,7 +11,8 @@ Example:
 
 to_maxlite writes CKPT/0 (params and the model settings from config.json): train or decode from it with
 load_parameters_path=CKPT/0. to_hf writes config.json and safetensors that transformers loads, from the step
---checkpoint_path names, or from the newest complete step of a checkpoints (or run) folder.
+--checkpoint_path names, or from the newest complete step of a checkpoints (or run) folder, and the tokenizer the run
+was trained with (saved with its checkpoint, as the model keys are; tokenizer_type=... tokenizer_path=... override it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """decode.py from a trained checkpoint: batched prompts, greedy and sampled, printed text; bad input is one line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -47,9 +48,12 @@ def test_decode_from_a_trained_checkpoint(tmp_path):
     "max_target_length=64",
   )
   assert greedy.returncode == 0, greedy.stderr[-3000:]
-  # A barely trained model may well continue with newlines; what matters is that text was added.
-  first, second = greedy.stdout.split("[0] The Python", 1)[1].split("\n[1] import", 1)
-  assert first and second, greedy.stdout
+  # Each prompt, then its completion, on labeled lines (JSON strings). A barely trained model may well continue with
+  # newlines; what matters is that text was added.
+  printed = [line.split(": ", 1) for line in greedy.stdout.splitlines()]
+  assert [label for label, _ in printed] == ["[0] prompt", "[0] completion", "[1] prompt", "[1] completion"], printed
+  texts = [json.loads(text) for _, text in printed]
+  assert texts[0] == "The Python" and texts[2] == "import" and texts[1] and texts[3], greedy.stdout
   again = _decode(
     f"load_parameters_path={step}",
     "prompt=The Python ||| import",
@@ -66,7 +70,8 @@ def test_decode_from_a_trained_checkpoint(tmp_path):
     "max_prefill_predict_length=16",
     "max_target_length=64",
   )
-  assert sampled.returncode == 0 and "[0] The Python" in sampled.stdout, sampled.stderr[-3000:]
+  assert sampled.returncode == 0, sampled.stderr[-3000:]
+  assert sampled.stdout.startswith('[0] prompt: "The Python"\n[0] completion: "'), sampled.stdout
 
 
 def test_decode_bad_input_is_one_line(tmp_path):

@@ -189,6 +189,12 @@ def _output(ran, pattern: str) -> str:
   return found
 
 
+def _printed_completion(output: str, prompt: str) -> str:
+  """decode.py's completion of its first prompt: it prints `[0] prompt: "..."`, then `[0] completion: "..."` (JSON)."""
+  assert f"[0] prompt: {json.dumps(prompt, ensure_ascii=False)}\n" in output, output[-2000:]
+  return json.loads(re.search(r"^\[0\] completion: (.*)$", output, re.M)[1])
+
+
 def _metric_rows(ran, run_name: str) -> list[dict]:
   with open(os.path.join(ran["checkout"], "outputs", run_name, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -215,7 +221,7 @@ def test_continued_llama3_exports_and_continues_as_decode_printed(ran):
 
   out, original = (os.path.join(ran["checkout"], d) for d in ("llama32-cpt-hf", "Llama-3.2-1B"))
   prompt = "The capital of France is"
-  printed = _output(ran, r"decode\.py .*llama32-cpt").split(f"[0] {prompt}", 1)[1].split("\n", 1)[0]
+  printed = _printed_completion(_output(ran, r"decode\.py .*llama32-cpt"), prompt)
   model = transformers.AutoModelForCausalLM.from_pretrained(out)
   assert (model.config.bos_token_id, model.config.eos_token_id) == (0, 1)  # from the tokenizer, not Llama 2's 1, 2
   assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.tie_word_embeddings
@@ -237,7 +243,7 @@ def test_qwen3_sft_then_dpo_exports_with_its_chat_template(ran):
   tok = transformers.AutoTokenizer.from_pretrained(out)
   assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
   prompt = 'The section "Lists" says:'
-  printed = _output(ran, r"decode\.py .*qwen3-dpo").split(f"[0] {prompt}", 1)[1].split("\n", 1)[0]
+  printed = _printed_completion(_output(ran, r"decode\.py .*qwen3-dpo"), prompt)
   assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == "Qwen3ForCausalLM"
   assert _greedy_in_transformers(out, prompt, 32, add_bos=False) == printed
 

@@ -1,6 +1,9 @@
 """decode.py: the KV-cache path gives the no-cache logits at every step; sampling strategies behave."""
 
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import types
@@ -9,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BASE_YML, FAST_COMPILE, REPO, first_devices, make_config
+from conftest import BASE_YML, FAST_COMPILE, REPO, first_devices, make_config, run_train_cli
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.decode import generate, sample
@@ -141,11 +144,21 @@ def test_greedy_takes_temperature_zero():
   assert make_config("decode_sampling_temperature=0").decode_sampling_temperature == 0.0
 
 
-def _decode_cli(*overrides: str) -> subprocess.CompletedProcess:
+def _decode_cli(*overrides: str, cwd: str = REPO) -> subprocess.CompletedProcess:
   """`python MaxLite/decode.py configs/base.yml ...` on one CPU device, random weights unless a path is given."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
-  command = [sys.executable, "MaxLite/decode.py", "configs/base.yml", "jax_cache_dir=", *overrides]
-  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  command = [sys.executable, os.path.join(REPO, "MaxLite", "decode.py"), BASE_YML, "jax_cache_dir=", *overrides]
+  return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _printed(stdout: str) -> list[tuple[int, str, str]]:
+  """decode.py's output as (row, label, text): every line is `[i] label: "text"`, the text a JSON string."""
+  rows = []
+  for line in stdout.splitlines():
+    match = re.fullmatch(r"\[(\d+)\] (\w+): (\".*\")", line)
+    assert match, f"not a labeled line: {line!r} in {stdout!r}"
+    rows.append((int(match[1]), match[2], json.loads(match[3])))
+  return rows
 
 
 @pytest.mark.parametrize(
@@ -190,9 +203,16 @@ def test_decode_cli_warns_of_a_cut_prompt_and_shows_what_the_model_saw():
   assert len(warnings) == 1, proc.stderr[-3000:]  # the short prompt fits
   assert "warning: prompt [0] is " in warnings[0] and "longer than max_prefill_predict_length=6" in warnings[0]
   assert "sees only its last 5 after BOS" in warnings[0]
-  shown = proc.stdout.split("[0] ", 1)[1].split("\n[1] ", 1)[0]
+  printed = _printed(proc.stdout)
+  assert [(row, label) for row, label, _ in printed] == [
+    (0, "prompt"),
+    (0, "completion"),
+    (1, "prompt"),
+    (1, "completion"),
+  ]
+  shown = printed[0][2]
   assert shown.startswith("…") and "omega" in shown and "alpha" not in shown, proc.stdout
-  assert "\n[1] short" in proc.stdout
+  assert printed[2][2] == "short"
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "huggingface"])
@@ -250,7 +270,8 @@ def test_a_chat_prompt_is_what_apply_chat_template_gives(prompt, messages):
 @pytest.mark.parametrize("also", [(), ("use_sft=true",)], ids=["alone", "with_use_sft"])
 def test_decode_with_a_chat_template_prints_the_reply_up_to_the_end_of_turn(monkeypatch, capsys, also):
   """The template was refused without use_sft/use_dpo and silently not applied with use_sft: now it renders the
-  prompt, generation stops at the chat's end-of-turn token (<|im_end|>) and the reply alone is printed."""
+  prompt and generation stops at the chat's end-of-turn token (<|im_end|>). Each row prints its messages, then the
+  reply (the reply alone lost a batch's questions)."""
   from MaxLite.data.tokenizer import load_tokenizer
   from MaxLite.inference import generate
 
@@ -264,11 +285,21 @@ def test_decode_with_a_chat_template_prints_the_reply_up_to_the_end_of_turn(monk
 
   monkeypatch.setattr(generate, "load_params", lambda config, mesh: None)
   monkeypatch.setattr(generate, "generate", fake_generate)
-  prompts = " ||| ".join(["What is a list?"] * len(jax.devices()))  # one row per device (pytest sees 8)
-  results = generate.run([BASE_YML, "model_name=tiny", *CHAT, "use_chat_template=true", f"prompt={prompts}", *also])
+  conversation = '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a tuple?"}]'
+  texts = [conversation] + ["What is a list?"] * (len(jax.devices()) - 1)  # one row per device (pytest sees 8)
+  results = generate.run(
+    [BASE_YML, "model_name=tiny", *CHAT, "use_chat_template=true", f"prompt={' ||| '.join(texts)}", *also]
+  )
   assert results == ["A list holds items in order."] * len(jax.devices())
-  assert capsys.readouterr().out.splitlines()[0] == "[0] A list holds items in order."
-  assert tokenizer.decode(seen["prompts"][0]).endswith("<|im_start|>assistant\n")
+  # Each question is printed with its answer: a batch of replies keeps its questions.
+  assert capsys.readouterr().out.splitlines()[:5] == [
+    '[0] system: "Be brief."',
+    '[0] user: "What is a tuple?"',
+    '[0] assistant: "A list holds items in order."',
+    '[1] user: "What is a list?"',
+    '[1] assistant: "A list holds items in order."',
+  ]
+  assert tokenizer.decode(seen["prompts"][1]).endswith("<|im_start|>assistant\n")
   assert seen["eos"] == tokenizer.encode("<|im_end|>")[0]
   with pytest.raises(ConfigError, match="use_chat_template=true needs tokenizer_type=huggingface"):
     generate.run([BASE_YML, "model_name=tiny", "use_chat_template=true"])
@@ -299,3 +330,160 @@ def test_decoding_on_a_data_fsdp_tensor_mesh_equals_one_device():
       params = build.random_parameters(config, build.parameters(config, mesh, stored=False))
       outputs[n], _ = generate(config, params, prompts)
   assert outputs[8] == outputs[1]
+
+
+# ---------------------------------------------------------------------- a real run's checkpoint and its tokenizer
+
+CHAT_RUN = ("tokenizer_type=huggingface", "tokenizer_path=assets/tokenizer/chat", "vocab_size=4096")
+SHORT = ("max_decode_steps=6", "max_prefill_predict_length=16", "max_target_length=64")
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+  """A real tiny training run with the shipped chat tokenizer, named by its repo-relative path, and vocab_size 4096:
+  its orbax checkpoint's saved config holds those keys. Returns its base_output_directory (run_name=chat, step 3)."""
+  out = tmp_path_factory.mktemp("runs")
+  run = ("model_name=tiny", "steps=3", "max_target_length=64", "eval_interval=-1", "enable_tensorboard=false")
+  trained = run_train_cli(
+    *run,
+    *CHAT_RUN,
+    "per_device_batch_size=2",
+    "enable_checkpointing=true",
+    f"base_output_directory={out}",
+    "run_name=chat",
+    "jax_cache_dir=",
+  )
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  return out
+
+
+@pytest.mark.slow
+def test_decode_takes_the_tokenizer_saved_with_the_checkpoint(chat_run, tmp_path):
+  """decode.py with load_parameters_path and no tokenizer keys read the run's ids with the default sentencepiece
+  model (8192 pieces for a 4096-row model) and printed garbage, exit 0. The saved tokenizer keys come with the
+  checkpoint, as its model keys do: the output equals that of the tokenizer named on the command line, from another
+  working directory too (the saved repo-relative path is found under the repo)."""
+  step = chat_run / "chat" / "checkpoints" / "3"
+  common = (f"load_parameters_path={step}", "prompt=The Python ||| import", *SHORT)
+  implicit = _decode_cli(*common, cwd=str(tmp_path))
+  named = _decode_cli(*common, *CHAT)
+  assert implicit.returncode == 0 and named.returncode == 0, implicit.stderr[-3000:] + named.stderr[-3000:]
+  assert implicit.stdout == named.stdout and "⁇" not in implicit.stdout, implicit.stdout + named.stdout
+
+
+@pytest.mark.slow
+def test_a_tokenizer_the_model_cannot_embed_is_one_line(chat_run, tmp_path):
+  """An explicit tokenizer wins over the checkpoint's, but one whose vocabulary exceeds the model's vocab_size is one
+  error line naming both; so is a saved tokenizer path that no longer exists, naming the paths tried."""
+  step = chat_run / "chat" / "checkpoints" / "3"
+  sentencepiece = ("tokenizer_type=sentencepiece", "tokenizer_path=assets/tokenizer/maxlite_sp8k.model")
+  foreign = _decode_cli(f"load_parameters_path={step}", *sentencepiece, *SHORT)
+  errors = [line for line in foreign.stderr.splitlines() if line.startswith("error:")]
+  assert foreign.returncode == 2 and len(errors) == 1 and "Traceback" not in foreign.stderr, foreign.stderr[-3000:]
+  assert "tokenizer_path=assets/tokenizer/maxlite_sp8k.model (set explicitly) has 8192 tokens" in errors[0]
+  assert "more than the model's vocab_size=4096" in errors[0], errors[0]
+
+  moved = tmp_path / "moved"
+  shutil.copytree(step, moved)
+  saved = moved / "config" / "config.json"
+  settings = json.loads(saved.read_text())
+  settings["tokenizer_path"] = "gone/chat"
+  saved.write_text(json.dumps(settings))
+  gone = _decode_cli(f"load_parameters_path={moved}", *SHORT, cwd=str(tmp_path))
+  errors = [line for line in gone.stderr.splitlines() if line.startswith("error:")]
+  assert gone.returncode == 2 and len(errors) == 1 and "Traceback" not in gone.stderr, gone.stderr[-3000:]
+  assert (
+    f"tokenizer_path=gone/chat (from the checkpoint {moved}) does not exist (tried {tmp_path}/gone/chat" in (errors[0])
+  ), errors[0]
+  assert f"{REPO}/gone/chat" in errors[0], errors[0]
+
+
+@pytest.mark.slow
+def test_a_run_name_decodes_its_newest_checkpoint(chat_run):
+  """`decode.py configs/base.yml run_name=R base_output_directory=D` decoded random weights with a warning; the keys
+  that named the run find its newest checkpoint, as training's resume does. A run with none is one line."""
+  by_name = _decode_cli("run_name=chat", f"base_output_directory={chat_run}", "prompt=The Python", *SHORT)
+  by_path = _decode_cli(f"load_parameters_path={chat_run / 'chat' / 'checkpoints' / '3'}", "prompt=The Python", *SHORT)
+  assert by_name.returncode == 0, by_name.stderr[-3000:]
+  assert "randomly initialised" not in by_name.stderr and by_name.stdout == by_path.stdout, by_name.stderr[-3000:]
+  assert f"newest checkpoint: {chat_run}/chat/checkpoints/3" in by_name.stderr
+  missing = _decode_cli("run_name=nothing", f"base_output_directory={chat_run}", *SHORT)
+  errors = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
+  assert missing.returncode == 2 and errors == [
+    f"error: run_name=nothing: no complete checkpoint in {chat_run}/nothing/checkpoints to decode; name one with "
+    "load_parameters_path=STEP_DIR (or leave run_name out to decode random weights)"
+  ], missing.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_decode_prints_each_prompt_and_its_completion_on_labeled_lines(chat_run):
+  """The continuation was printed straight after the prompt, so where one ended and the other began could not be
+  seen. Now each row is `[i] prompt: "..."` then `[i] completion: "..."`, JSON strings (a leading space shows)."""
+  step = chat_run / "chat" / "checkpoints" / "3"
+  proc = _decode_cli(f"load_parameters_path={step}", *CHAT, "prompt=The Python ||| import", *SHORT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = _printed(proc.stdout)
+  assert [(row, label) for row, label, _ in printed] == [
+    (0, "prompt"),
+    (0, "completion"),
+    (1, "prompt"),
+    (1, "completion"),
+  ]
+  assert (printed[0][2], printed[2][2]) == ("The Python", "import")
+  assert printed[1][2] and printed[3][2], proc.stdout
+
+
+@pytest.mark.slow
+def test_to_hf_exports_the_tokenizer_saved_with_the_checkpoint(chat_run, tmp_path, monkeypatch):
+  """to_hf of a run trained with the chat tokenizer wrote no tokenizer (and null BOS/EOS ids) unless told which: it
+  comes with the checkpoint now, found from any working directory."""
+  from transformers import AutoTokenizer
+
+  from MaxLite.checkpoint import hf
+  from MaxLite.data.tokenizer import load_tokenizer
+
+  monkeypatch.chdir(tmp_path)
+  out = tmp_path / "hf"
+  files = hf.to_hf(str(chat_run / "chat" / "checkpoints"), str(out), [])
+  assert "tokenizer.json" in files and "chat_template.jinja" in files, files
+  ours = load_tokenizer(os.path.join(REPO, "assets", "tokenizer", "chat"), "huggingface")
+  exported = AutoTokenizer.from_pretrained(str(out))
+  assert exported("The Python", add_special_tokens=False)["input_ids"] == ours.encode("The Python")
+  assert json.loads((out / "config.json").read_text())["eos_token_id"] == ours.eos_id
+
+
+def test_a_saved_relative_tokenizer_path_is_found_where_the_run_was_trained(tmp_path, monkeypatch):
+  """A run trained from its own project folder saved tokenizer_path=tok (relative): decoding from elsewhere finds it
+  there (the saved run_dir ends with the relative base_output_directory/run_name); explicit keys still win."""
+  from MaxLite.checkpoint import run_tokenizer
+
+  project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+  shutil.copytree(os.path.join(REPO, "assets", "tokenizer", "chat"), project / "tok")
+  step = project / "outputs" / "r" / "checkpoints" / "3"
+  (step / "config").mkdir(parents=True)
+  saved = {"tokenizer_type": "huggingface", "tokenizer_path": "tok", "add_bos": False, "dataset_type": "grain"}
+  saved |= {"base_output_directory": "outputs", "run_name": "r", "run_dir": str(project / "outputs" / "r")}
+  (step / "config" / "config.json").write_text(json.dumps(saved))
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  raw = {"load_parameters_path": str(step), "explicit_keys": ["add_bos"], "add_bos": True}
+  assert run_tokenizer.take_from_checkpoint(raw) == f"(from the checkpoint {step})"
+  assert (raw["tokenizer_type"], raw["tokenizer_path"], raw["add_bos"]) == ("huggingface", str(project / "tok"), True)
+
+
+def test_a_checkpoint_naming_no_tokenizer_refuses_a_default_of_another_size(tmp_path):
+  """A converted step saves no tokenizer keys: decoding it without any read the shipped 8192-piece model's ids into a
+  model of another vocabulary (a Qwen or Llama 3 conversion) and printed garbage. Now that is one line; a tokenizer
+  named on the command line is checked only for ids past the model's rows."""
+  from MaxLite.checkpoint import run_tokenizer
+  from MaxLite.cli.errors import InputError
+  from MaxLite.data.tokenizer import load_tokenizer
+
+  default = load_tokenizer(os.path.join(REPO, "assets", "tokenizer", "maxlite_sp8k.model"))
+  config = make_config("model_name=tiny", "vocab_size=16384", f"load_parameters_path={tmp_path}")
+  with pytest.raises(InputError) as e:
+    run_tokenizer.check_vocabulary(default, config, None)
+  assert f"the checkpoint {tmp_path} names no tokenizer, and the default tokenizer_path=" in str(e.value)
+  assert "has 8192 tokens where the model has vocab_size=16384" in str(e.value) and "\n" not in str(e.value)
+  named = make_config("model_name=tiny", "vocab_size=16384", f"load_parameters_path={tmp_path}", "tokenizer_path=x")
+  run_tokenizer.check_vocabulary(default, named, None)  # the user's choice: its ids all have rows

@@ -268,5 +268,6 @@ def test_train_and_decode_commands_with_a_huggingface_tokenizer(hf_dirs, tmp_pat
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   decoded = subprocess.run(decode, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert decoded.returncode == 0, decoded.stderr[-3000:]
-  continuation = decoded.stdout.split("[0] The Python", 1)[1].rstrip("\n")
-  assert continuation, decoded.stdout
+  prompt, continuation = decoded.stdout.splitlines()
+  assert prompt == '[0] prompt: "The Python"' and continuation.startswith('[0] completion: "'), decoded.stdout
+  assert json.loads(continuation.split(": ", 1)[1]), decoded.stdout

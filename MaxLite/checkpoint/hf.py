@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 
 from MaxLite import config as config_lib
 from MaxLite import models, storage
-from MaxLite.checkpoint import STATE, lora_steps, saved_config_path
+from MaxLite.checkpoint import STATE, lora_steps, run_tokenizer, saved_config_path
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.checkpoint.tokenizer_export import write_tokenizer
@@ -164,22 +164,25 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str], adapter: 
   # The path travels on as load_parameters_path; a wrong one is named by the flag the user typed.
   checkpoint_path = newest_step(checkpoint_path)
   checkpointing.resolve_state_dir(checkpoint_path, "--checkpoint_path")
-  config = _load_config(argv, [f"load_parameters_path={checkpoint_path}"])
+  yml = [a for a in argv if a.endswith((".yml", ".yaml"))] or [config_lib.BASE_CONFIG_PATH]
+  raw = config_lib.load_raw([yml[0], f"load_parameters_path={checkpoint_path}", *(a for a in argv if "=" in a)])
+  # The tokenizer the run was trained with comes with its checkpoint, as its model keys do (explicit keys win).
+  origin = run_tokenizer.take_from_checkpoint(raw)
+  config = config_lib.build(raw, num_devices=1, num_slices=1, process_count=1)
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)  # for BOS/EOS ids
   ids = {name: getattr(tokenizer, name) for name in ("bos_id", "eos_id")}
-  foreign = not any(a.startswith("tokenizer_path=") for a in argv) and tokenizer.vocab_size != config.vocab_size
+  named = origin is not None or "tokenizer_path" in config.explicit_keys
+  foreign = not named and tokenizer.vocab_size != config.vocab_size
   if foreign:
-    # The shipped default tokenizer is not this model's: its BOS/EOS ids and its files would be someone else's.
+    # A converted step names no tokenizer, and the shipped default is not this model's: its BOS/EOS ids and its files
+    # would be someone else's.
     logging.warning(
       "to_hf: no tokenizer_path given; bos_token_id/eos_token_id are left null in config.json and no tokenizer is "
       "written"
     )
     ids = {name: -1 for name in ids}
-  elif tokenizer.vocab_size > config.vocab_size:
-    raise InputError(
-      f"tokenizer_path={config.tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
-      f"{config.vocab_size}: pass the model's own tokenizer (tokenizer_type=... tokenizer_path=...)"
-    )
+  else:
+    run_tokenizer.check_vocabulary(tokenizer, config, origin)
   abstract = build.abstract_parameters(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)

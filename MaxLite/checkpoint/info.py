@@ -22,6 +22,8 @@ _CONFIG_SHOWN = (
   "max_target_length",
   "dataset_type",
   "steps",
+  "tokenizer_type",  # the tokenizer decode.py and to_hf take from the checkpoint
+  "tokenizer_path",
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from MaxLite import config as config_lib
 from MaxLite import storage
-from MaxLite.checkpoint import lora_steps
+from MaxLite.checkpoint import lora_steps, run_tokenizer
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data.chat import ChatTemplate
@@ -27,6 +28,7 @@ from MaxLite.data.tokenizer import continuation_text, load_tokenizer
 from MaxLite.models import build, sampling
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.storage.layout import step_numbers
 
 PROMPT_SEPARATOR = " ||| "
 
@@ -170,8 +172,40 @@ def chat_prompt_ids(tokenizer: Any, template: ChatTemplate, prompt: str) -> list
   return tokenizer.encode(template.render(chat_messages(prompt), add_generation_prompt=True))
 
 
+def _quoted(text: str) -> str:
+  """Text as one JSON string: its first and last characters (a leading space, a trailing newline) are visible, and a
+  multi-line text stays on its labeled line."""
+  return json.dumps(text, ensure_ascii=False)
+
+
+def _run_checkpoint(argv: Sequence[str], raw: dict[str, Any]) -> dict[str, Any]:
+  """`decode.py CONFIG run_name=R [base_output_directory=D]` without load_parameters_path decodes R's newest complete
+  checkpoint, the one its training would resume; a run with none is one error line, not random weights."""
+  if raw["load_parameters_path"] or "run_name" not in raw["explicit_keys"] or not raw["run_name"]:
+    return raw
+  folder = storage.join(storage.join(storage.absolute(raw["base_output_directory"]), raw["run_name"]), "checkpoints")
+  steps = step_numbers(folder) if storage.isdir(folder) else []
+  if not steps:
+    raise ConfigError(
+      f"run_name={raw['run_name']}: no complete checkpoint in {folder} to decode; name one with "
+      "load_parameters_path=STEP_DIR (or leave run_name out to decode random weights)"
+    )
+  step_dir = storage.join(folder, str(steps[-1]))
+  print(f"decoding run_name={raw['run_name']}'s newest checkpoint: {step_dir}", file=sys.stderr)
+  return config_lib.load_raw([*argv, f"load_parameters_path={step_dir}"])
+
+
 def run(argv: Sequence[str]) -> list[str]:
-  raw = config_lib.load_raw(argv)
+  """decode.py: prints each prompt (with chat templates, each message) and its completion on labeled lines,
+  `[i] prompt: "..."` then `[i] completion: "..."` (chat: `[i] user: "..."` ... `[i] assistant: "..."`), texts as
+  JSON strings; returns the completions."""
+  raw = _run_checkpoint(argv, config_lib.load_raw(argv))
+  # The tokenizer comes with the checkpoint as the model keys do (unless the command line or config file names one).
+  origin = run_tokenizer.take_from_checkpoint(raw)
+  if origin:
+    logging.info(
+      "tokenizer %s: tokenizer_type=%s tokenizer_path=%s", origin, raw["tokenizer_type"], raw["tokenizer_path"]
+    )
   texts = raw["prompt"].split(PROMPT_SEPARATOR)
   # The batch is the prompts; the mesh splits it like a training batch.
   raw["per_device_batch_size"] = len(texts) / jax.device_count()
@@ -190,6 +224,7 @@ def run(argv: Sequence[str]) -> list[str]:
     raise ConfigError("decode.py does not pipeline; set ici/dcn_pipeline_parallelism=1")
   check_cache_fits(config)  # before a checkpoint is read
   tokenizer = load_tokenizer(storage.resolve(config.tokenizer_path), config.tokenizer_type)
+  run_tokenizer.check_vocabulary(tokenizer, config, origin)  # before a checkpoint is read
   eos = tokenizer.eos_id  # a chat tokenizer's is its end-of-turn token (Qwen's <|im_end|>)
   mesh = create_mesh(config)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
@@ -198,15 +233,18 @@ def run(argv: Sequence[str]) -> list[str]:
       template = ChatTemplate.load(storage.resolve(config.tokenizer_path), config.chat_template_path)
       # generate() keeps a long conversation's last max_prefill_predict_length tokens and warns.
       prompts = [chat_prompt_ids(tokenizer, template, text) for text in texts]
-      texts = [""] * len(texts)  # a chat prints the reply alone
+      shown = [[(m["role"], str(m["content"])) for m in chat_messages(text)] for text in texts]
     else:
       prompts, texts = _fit_prompts(config, tokenizer, texts)
+      shown = [[("prompt", text)] for text in texts]
     outputs, _ = generate(config, params, prompts, eos_id=eos if eos >= 0 else None)
   # Ids past the tokenizer's vocabulary (a model's padded embedding rows, e.g. Qwen's) have no text.
-  results = [
-    text + continuation_text(tokenizer, prompt, [t for t in out if t != eos and t < tokenizer.vocab_size])
-    for text, prompt, out in zip(texts, prompts, outputs)
+  completions = [
+    continuation_text(tokenizer, prompt, [t for t in out if t != eos and t < tokenizer.vocab_size])
+    for prompt, out in zip(prompts, outputs)
   ]
-  for i, result in enumerate(results):
-    print(f"[{i}] {result}", flush=True)
-  return results
+  for i, (lines, completion) in enumerate(zip(shown, completions)):
+    for label, text in lines:
+      print(f"[{i}] {label}: {_quoted(text)}")
+    print(f"[{i}] {'assistant' if chat else 'completion'}: {_quoted(completion)}", flush=True)
+  return completions
