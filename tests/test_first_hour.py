@@ -50,14 +50,17 @@ def test_a_run_ends_with_one_line_naming_its_step_checkpoint_eval_loss_and_metri
   eval_loss = [row["eval_loss"] for row in rows if "eval_loss" in row][-1]
   run_dir = os.path.join(out, "r")
   assert done.stdout.splitlines()[-1] == (
-    f"done: step 2, saved to {run_dir}/checkpoints/2, eval loss {eval_loss:.4f}, metrics in {run_dir}/metrics.jsonl"
+    f"done: step 2, saved to {run_dir}/checkpoints/2, eval loss {eval_loss:.4f} at step 2, "
+    f"metrics in {run_dir}/metrics.jsonl"
   )
   config = make_config(
     "model_name=tiny", *RUN[:4], "steps=1", "enable_checkpointing=false", f"base_output_directory={tmp_path}"
   )
-  train(config, first_devices(1))
+  rows = train(config, first_devices(1))
+  last_eval = rows[-1]["eval_loss"]  # the last step is evaluated whatever eval_interval says (100 here)
   assert capsys.readouterr().out.splitlines()[-1] == (
-    f"done: step 1, not saved (enable_checkpointing=false), metrics in {config.metrics_file}"
+    f"done: step 1, not saved (enable_checkpointing=false), eval loss {last_eval:.4f} at step 1, "
+    f"metrics in {config.metrics_file}"
   )
 
 

@@ -22,6 +22,7 @@ TINY = (
   "max_target_length=64",
   "steps=3",
   "dataset_type=synthetic",
+  "eval_interval=-1",  # the last step's eval: the tests that evaluate ask for it
   "enable_tensorboard=false",
   "learning_rate=1e-2",
   "warmup_steps_fraction=0.0",
@@ -160,7 +161,7 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_rows_are_logged(tmp_path):
+def test_eval_rows_are_logged_every_interval_and_at_the_last_step(tmp_path, capsys):
   config = make_config(
     *TINY,
     f"base_output_directory={tmp_path}",
@@ -172,10 +173,11 @@ def test_eval_rows_are_logged(tmp_path):
   )
   rows = train(config, first_devices(1))
   evals = [r for r in rows if "eval_loss" in r]
-  assert [r["step"] for r in evals] == [2, 4]
+  assert [r["step"] for r in evals] == [2, 4, 5]  # step 5: the run's last, off the interval
   assert all(np.isfinite(r["eval_loss"]) for r in evals)
   written = (tmp_path / "ev" / "metrics.jsonl").read_text()
-  assert written.count("eval_loss") == 2
+  assert written.count("eval_loss") == 3
+  assert f"eval loss {evals[-1]['eval_loss']:.4f} at step 5, " in capsys.readouterr().out.splitlines()[-1]
 
 
 class _CompileLog(logging.Handler):

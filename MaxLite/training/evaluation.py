@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from MaxLite.cli import ticker
 from MaxLite.config import Config
 from MaxLite.data import input_pipeline
 from MaxLite.models import build
@@ -66,6 +67,11 @@ class NoEvaluator:
     pass
 
 
+def eval_due(config: Config, step: int) -> bool:
+  """Every eval_interval steps and at the last step, so a run ends with its own model's eval figures."""
+  return step % config.eval_interval == 0 or step == config.steps
+
+
 class Evaluator:
   """The jitted eval step and the run's eval iterator, made once and rewound for every eval."""
 
@@ -82,13 +88,17 @@ class Evaluator:
       *([] if config.ensemble_size > 1 else [reference]),
     )
     self._batches = input_pipeline.make_iterator(config, mesh, "eval")
+    self._compiled = False
 
   def maybe_eval(self, step: int, state: Any, log: StepLog) -> None:
-    if step % self._config.eval_interval != 0:
+    if not eval_due(self._config, step):
       return
     log.flush()  # the step's own row comes before its eval row
     reference = state.frozen if state.frozen is not None else state.reference
-    metrics = evaluate(self._config, self._mesh, self._eval_fn, model_params(state), self._batches, reference)
+    first = not self._compiled
+    with ticker.ticking("compiling the eval step", enabled=first and jax.process_index() == 0):
+      metrics = evaluate(self._config, self._mesh, self._eval_fn, model_params(state), self._batches, reference)
+    self._compiled = True
     log.record_eval(step, metrics)
 
   def __enter__(self) -> Evaluator:

@@ -172,7 +172,7 @@ def _done(config: Config, step: int, rows: list[dict[str, Any]]) -> str:
     if config.enable_checkpointing  # the last step and a preempted one are always saved
     else "not saved (enable_checkpointing=false)"
   )
-  evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
-  eval_loss = f", eval loss {evals[-1]:.4f}" if evals else ""
+  evals = [row for row in rows if "eval_loss" in row]
+  eval_loss = f", eval loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}" if evals else ""
   best = ensemble.best_member(config, rows) if config.ensemble_size > 1 else ""
   return f"done: step {step}{stopped}, {saved}{eval_loss}{best}, metrics in {config.metrics_file}"
