@@ -17,6 +17,7 @@ from typing import Any
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import Config, choices, validation
 from MaxLite.models import flops
+from MaxLite.parallel import sharding
 from MaxLite.parallel.topologies import Target
 from MaxLite.planning.perf_model import MATMUL_EFFICIENCY
 
@@ -136,13 +137,16 @@ def memory_lower_bound(c: dict[str, Any]) -> float:
   # tokens on one device: the batch splits over data x fsdp x expert, the sequence over sequence
   tokens = c["micro_batch_size"] * c["max_target_length"] / math.prod(mesh[a] for a in ("data", "fsdp", "expert"))
   emb, q, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
-  tp = mesh["tensor"]  # the residual stream (activation_embed) is split over tensor too
+  tp = mesh["tensor"]  # heads and the MLP's hidden units are split over tensor
+  # The residual stream (activation_embed) is split over tensor too, except where the partitioner bug keeps it whole.
+  emb_tp = 1 if sharding.swaps_batch_shards(c["logical_axis_rules"], mesh) else tp
+  qkv = (q + 2 * kv) * hd / tp
   per_token = {  # values a layer keeps per token on the device under each policy (the layer input always)
-    "full": emb / tp,
-    "save_qkv_proj": (emb + (q + 2 * kv) * hd) / tp,
-    "save_dot_except_mlp": (2 * emb + (q + 2 * kv) * hd) / tp,
-    "minimal": (2 * emb + (q + 2 * kv) * hd + 2 * c["base_mlp_dim"]) / tp,
-  }.get(c["remat_policy"], emb / tp)
+    "full": emb / emb_tp,
+    "save_qkv_proj": emb / emb_tp + qkv,
+    "save_dot_except_mlp": 2 * emb / emb_tp + qkv,
+    "minimal": 2 * emb / emb_tp + qkv + 2 * c["base_mlp_dim"] / tp,
+  }.get(c["remat_policy"], emb / emb_tp)
   if c["remat_policy"] == "custom" and c["decoder_layer_input"] == "offload":
     per_token = 0.0
   layers = c["base_num_decoder_layers"] / mesh["stage"]
