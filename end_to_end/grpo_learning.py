@@ -65,9 +65,8 @@ def main() -> int:
     "num_iterations=2",  # two updates per batch of completions, the second clipped against the sampling policy
     "grpo_beta=0.0",  # no KL penalty (as DAPO and Dr. GRPO): the clip alone keeps each update small
     f"learning_rate={args.learning_rate}",
-    # The whole tempered distribution: top-k/top-p would cut the rare right answers GRPO is to find and reinforce.
-    "decode_sampling_top_k=100000",
-    "decode_sampling_nucleus_p=1.0",
+    # Rollouts from the whole distribution at temperature 1 (TRL's defaults, rollout_top_k=0, rollout_top_p=1.0):
+    # top-k/top-p would cut the rare right answers GRPO is to find and reinforce.
     "warmup_steps_fraction=0.0",
     f"steps={args.grpo_steps}",
     "eval_interval=50",

@@ -5,6 +5,7 @@ equal to one device, LoRA and QLoRA under GRPO, MaxText's `rl:` spellings, and o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import textwrap
 
@@ -183,6 +184,38 @@ def test_lora_and_qlora_train_under_grpo_and_resume_bit_for_bit(tmp_path, reward
   assert saved and all("lora" in k for k in saved if "params" in k)
 
 
+@pytest.mark.slow
+def test_no_reward_spread_updates_nothing_and_says_why(tmp_path, base_checkpoint, monkeypatch, caplog):
+  """The shipped rewards on a model that has not learnt the task: every reward 0, every advantage 0. No update at
+  all (Adam turned the KL term's rounding-sized gradient into full steps, and kl climbed to 1.09 by step 4), and a
+  warning naming the cause and the fix once it has lasted FLAT_STEPS_WARNING steps."""
+  from MaxLite.training import grpo_run
+
+  monkeypatch.setattr(grpo_run, "FLAT_STEPS_WARNING", 2, raising=False)
+  config = make_config(
+    *COMMON,
+    f"load_parameters_path={base_checkpoint}",
+    "grpo_beta=0.04",
+    "steps=3",
+    "checkpoint_period=3",
+    f"base_output_directory={tmp_path}",
+    "run_name=flat",
+  )
+  with caplog.at_level(logging.WARNING):
+    rows = _steps(train(config, first_devices(1)))
+  assert [r["frac_reward_zero_std"] for r in rows] == [1.0, 1.0, 1.0] and [r["reward"] for r in rows] == [0.0] * 3
+  assert all(r["kl"] < 1e-6 for r in rows), [r["kl"] for r in rows]  # the policy stays its reference
+  before = _arrays(base_checkpoint + "/state")
+  after = _arrays(tmp_path / "flat" / "checkpoints" / "3" / "state")
+  params = [k for k in after if k.startswith("['params']")]
+  assert params and all(np.array_equal(after[k], before[k]) for k in params)
+  moments = [k for k in after if k.startswith("['opt_state']")]
+  assert moments and all(not np.any(after[k]) for k in moments)  # the fresh optimizer's zeros, its count included
+  assert int(after["['step']"]) == 0
+  warned = [r.getMessage() for r in caplog.records if "GRPO steps 1-2" in r.getMessage()]
+  assert len(warned) == 1 and "load_parameters_path" in warned[0] and "SFT" in warned[0], caplog.text
+
+
 def test_maxtext_rl_spellings_set_the_same_keys(tmp_path):
   yml = tmp_path / "rl.yml"
   yml.write_text(
@@ -218,6 +251,14 @@ def test_maxtext_rl_spellings_set_the_same_keys(tmp_path):
     (("rl.use_agentic_rollout=true",), "MaxText key that MaxLite does not implement"),
     (("ensemble_size=2",), "GRPO is not supported for ensembles"),
     (("grain_train_files=my_prompts.jsonl", "grain_file_type=jsonl"), "needs reward_functions"),
+    (("rollout_temperature=0",), "rollout_temperature must be in (0, inf)"),
+    (("rl.rollout_temperature=-1",), "rollout_temperature must be in (0, inf)"),
+    (("rollout_top_k=-1",), "rollout_top_k must be >= 0"),
+    (("rollout_top_p=1.5",), "rollout_top_p must be in (0, 1]"),
+    # decode.py's keys (MaxText's rl.yml sets them for its rollouts): named, with GRPO's own
+    (("decode_sampling_temperature=-1",), "samples its rollouts with rollout_temperature"),
+    (("decode_sampling_top_k=40",), "write rollout_top_k=40"),
+    (("decode_sampling_nucleus_p=0.9",), "write rollout_top_p=0.9"),
   ],
 )
 def test_bad_grpo_settings_are_one_line(overrides, fragment):

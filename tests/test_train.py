@@ -289,19 +289,19 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
 @pytest.mark.parametrize(
   "kind, flags, values, shown",
   [
-    ("plain", {}, {"tokens": 4096.0}, "trained_tokens 4.1K"),
-    ("sft", {"use_sft": True}, {"tokens": 1234.0}, "trained_tokens 1.2K"),
+    ("plain", {}, {"tokens": 4096.0}, "trained_tokens/step 4.1K"),
+    ("sft", {"use_sft": True}, {"tokens": 1234.0}, "trained_tokens/step 1.2K"),
     (
       "dpo",
       {"use_dpo": True},
       {"tokens": 987.0, "pairs": 4.0, "rewards/accuracies": 0.5, "rewards/margins": 0.1},
-      "trained_tokens 987",
+      "trained_tokens/step 987",
     ),
     (
       "ensemble",
       {"ensemble_size": 2},
       {"tokens": 2.5e6, "loss/member_0": 2.0, "loss/member_1": 2.2},
-      "trained_tokens 2.5M",
+      "trained_tokens/step 2.5M",
     ),
   ],
 )
@@ -326,9 +326,13 @@ def test_step_line_shows_the_trained_tokens_of_every_kind_of_run(kind, flags, va
   assert f"| {shown} |" in log_line(row) + " |", log_line(row)
 
 
-def test_a_training_run_logs_its_trained_tokens_each_step(tmp_path, caplog):
+def test_a_training_run_logs_its_trained_tokens_progress_and_time_left_each_step(tmp_path, caplog):
   caplog.set_level(logging.INFO)
-  config = make_config(*TINY, f"base_output_directory={tmp_path}", "per_device_batch_size=2", "steps=2")
+  config = make_config(*TINY, f"base_output_directory={tmp_path}", "per_device_batch_size=2", "steps=3")
   train(config, first_devices(1))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-  assert len(lines) == 2 and all("| trained_tokens 128 |" in line for line in lines), lines  # 2 rows x 64 tokens
+  assert len(lines) == 3 and all("| trained_tokens/step 128 |" in line for line in lines), lines  # 2 rows x 64 tokens
+  # Where the run is and how long it has to go: the time left from the steps after the first (its compile), none at
+  # the first step nor the last.
+  assert [line.split(" | ")[0] for line in lines] == ["step      1/3", "step      2/3", "step      3/3"]
+  assert [line.endswith("s left") for line in lines] == [False, True, False], lines

@@ -220,6 +220,9 @@ class ConfigKeys:
   loss_agg_mode: Literal["sequence-mean-token-mean", "token-mean", "sequence-mean"]
   reward_functions: tuple[str, ...]
   reward_weights: tuple[float, ...]
+  rollout_temperature: float
+  rollout_top_k: int
+  rollout_top_p: float
 
   # Lora (`--describe Lora`)
   enable_lora: bool

@@ -36,8 +36,8 @@ class RunInfo(BaseModel):
   )
   steps: int = Field(200, gt=0, description="number of optimizer steps to train")
   log_period: int = Field(1, gt=0, description="write a metrics row every N steps (loss is always checked for NaN)")
-  seed: int = Field(0, description="seed for per-step RNG (dropout), fold_in(seed, step)")
-  init_weights_seed: int = Field(0, description="seed for parameter initialisation")
+  seed: int = Field(0, ge=0, lt=2**32, description="seed for per-step RNG (dropout), fold_in(seed, step)")
+  init_weights_seed: int = Field(0, ge=0, lt=2**32, description="seed for parameter initialisation")
 
 
 class Optimizer(BaseModel):
@@ -172,7 +172,7 @@ class Dataset(BaseModel):
       "its packed layout is built for)"
     ),
   )
-  data_shuffle_seed: int = Field(0, description="seed for the deterministic record shuffle")
+  data_shuffle_seed: int = Field(0, ge=0, lt=2**32, description="seed for the deterministic record shuffle")
   eval_interval: int = Field(100, description="run eval after every N-th step; -1 = never")
   eval_steps: int = Field(10, description="batches per eval")
 
@@ -265,6 +265,15 @@ class Grpo(BaseModel):
     description="GRPO: module:function or file.py:function, each f(prompts, completions, **columns) -> scores",
   )
   reward_weights: list[float] = Field([], description="GRPO: one weight per reward function; [] = 1.0 each")
+  # The rollouts' sampling, TRL's GRPOConfig temperature/top_k/top_p with its defaults. decode.py's decode_sampling_*
+  # keys (MaxText's rl.yml sets those for its rollouts) are refused with use_grpo: their defaults truncate.
+  rollout_temperature: float = Field(
+    1.0, description="GRPO: rollout sampling temperature, > 0; the loss scores the same tempered distribution"
+  )
+  rollout_top_k: int = Field(0, description="GRPO: sample among the k most likely tokens; 0 = every token (TRL's)")
+  rollout_top_p: float = Field(
+    1.0, description="GRPO: sample among the most likely tokens whose mass reaches p, in (0, 1]; 1 = every token"
+  )
 
   @model_validator(mode="after")
   def _in_range(self) -> Grpo:
@@ -283,6 +292,19 @@ class Grpo(BaseModel):
       raise ConfigError(f"grpo_epsilon must be in (0, 1), got {self.grpo_epsilon}")
     if not (self.epsilon_high == -1.0 or 0.0 < self.epsilon_high < math.inf):
       raise ConfigError(f"epsilon_high must be positive, or -1 for grpo_epsilon, got {self.epsilon_high}")
+    # 0 would divide the logits by zero and a negative one favour the least likely tokens (NaN fails too).
+    if not 0.0 < self.rollout_temperature < math.inf:
+      raise ConfigError(
+        f"rollout_temperature must be in (0, inf) (GRPO samples its completions at it), got {self.rollout_temperature}"
+      )
+    if self.rollout_top_k < 0:
+      raise ConfigError(
+        f"rollout_top_k must be >= 0 (0 = every token, else the k most likely), got {self.rollout_top_k}"
+      )
+    if not 0.0 < self.rollout_top_p <= 1.0:
+      raise ConfigError(
+        f"rollout_top_p must be in (0, 1] (probability mass kept; 1 = every token), got {self.rollout_top_p}"
+      )
     if self.reward_weights and len(self.reward_weights) != len(self.reward_functions):
       raise ConfigError(
         f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_functions)} reward_functions; "

@@ -85,6 +85,15 @@ def derive(c: dict[str, Any]) -> dict[str, Any]:
   return {"train_data_columns": list(train), "eval_data_columns": list(evaluation)}
 
 
+# decode.py's sampling keys -> GRPO's own (keys_train.Grpo); TRL's defaults for GRPO's.
+GRPO_ROLLOUT_KEYS = {
+  "decode_sampling_temperature": "rollout_temperature",
+  "decode_sampling_top_k": "rollout_top_k",
+  "decode_sampling_nucleus_p": "rollout_top_p",
+}
+GRPO_ROLLOUT_DEFAULTS = {"rollout_temperature": 1.0, "rollout_top_k": 0, "rollout_top_p": 1.0}
+
+
 def _derive_grpo(c: dict[str, Any]) -> dict[str, Any]:
   """GRPO's data: the user's prompt files, or with none named the shipped arithmetic problems (prompt + answer)."""
   for other in ("use_sft", "use_dpo"):
@@ -94,6 +103,12 @@ def _derive_grpo(c: dict[str, Any]) -> dict[str, Any]:
     raise ConfigError("use_grpo=true reads prompts from files: set dataset_type=grain (with grain_train_files)")
   out: dict[str, Any] = {}
   explicit = set(c.get("explicit_keys", ()))
+  for decode_key, rollout_key in GRPO_ROLLOUT_KEYS.items():  # decode.py's keys, which MaxText's rl.yml reuses
+    if decode_key in explicit:
+      raise ConfigError(
+        f"use_grpo=true samples its rollouts with {rollout_key} (TRL's default {GRPO_ROLLOUT_DEFAULTS[rollout_key]}), "
+        f"not {decode_key} (decode.py's): write {rollout_key}={c[decode_key]}"
+      )
   if "grain_train_files" not in explicit:
     out.update(grain_train_files=GRPO_SHIPPED_TRAIN, grain_file_type="jsonl")
     if "grain_eval_files" not in explicit:

@@ -15,29 +15,36 @@ import jax
 import jax.numpy as jnp
 
 
-def top_k_logits(logits: jax.Array, k: int) -> jax.Array:
-  """logits [rows, vocab] with all but each row's k largest at -inf; a k past the vocabulary keeps every token."""
-  kth = jax.lax.top_k(logits, min(k, logits.shape[-1]))[0][:, -1:]
-  return jnp.where(logits < kth, -jnp.inf, logits)
+def top_k_logits(logits: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
+  """logits [..., vocab] with all but each row's k largest at -inf; a k past the vocabulary keeps every token.
+  `keep` [..., vocab] (bool): tokens kept whatever their rank."""
+  kth = jax.lax.top_k(logits, min(k, logits.shape[-1]))[0][..., -1:]
+  cut = logits < kth if keep is None else (logits < kth) & ~keep
+  return jnp.where(cut, -jnp.inf, logits)
 
 
-def top_p_logits(logits: jax.Array, p: float) -> jax.Array:
-  """logits [rows, vocab] with only the smallest set of most likely tokens whose probability reaches p kept."""
-  sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+def top_p_logits(logits: jax.Array, p: float, keep: jax.Array | None = None) -> jax.Array:
+  """logits [..., vocab] with only the smallest set of most likely tokens whose probability reaches p kept (and
+  `keep`'s tokens, as top_k_logits)."""
+  sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
   cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
   # The cutoff is the first sorted logit at which the mass reaches p: it and every larger logit stay.
   cutoff_index = jnp.minimum(jnp.sum(cumulative < p, axis=-1, keepdims=True), logits.shape[-1] - 1)
   cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
-  return jnp.where(logits < cutoff, -jnp.inf, logits)
+  cut = logits < cutoff if keep is None else (logits < cutoff) & ~keep
+  return jnp.where(cut, -jnp.inf, logits)
 
 
-def sampling_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-  """The logits a token is drawn from (module docstring), in float32."""
+def sampling_logits(
+  logits: jax.Array, temperature: float, top_k: int, top_p: float, keep: jax.Array | None = None
+) -> jax.Array:
+  """The logits a token is drawn from (module docstring), in float32, [..., vocab]. `keep` [..., vocab] (bool): tokens
+  never cut by top-k/top-p (GRPO scores a sampled token so, training/grpo.py)."""
   logits = logits.astype(jnp.float32) / temperature
   if top_k > 0:
-    logits = top_k_logits(logits, top_k)
+    logits = top_k_logits(logits, top_k, keep)
   if top_p < 1.0:
-    logits = top_p_logits(logits, top_p)
+    logits = top_p_logits(logits, top_p, keep)
   return logits
 
 

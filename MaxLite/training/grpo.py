@@ -20,6 +20,20 @@ loss_agg_mode (MaxText's names; TRL's loss_type in brackets) turns the token los
   sequence-mean             each completion's sum over its tokens, averaged over completions ["luspo"].
 Each is returned as a sum and a count (completions, or tokens), so microbatches and shards add up exactly and the
 step divides once, as it does for the pretraining loss.
+
+pi is the distribution the rollouts sample from (rollout_temperature, rollout_top_k, rollout_top_p; TRL's defaults:
+1.0, off, off): the logits over the temperature, cut to the top-k/top-p tokens and renormalised, the sampled token
+always kept. TRL scores the tempered distribution whatever top_k/top_p say (its vLLM path reports the truncated one
+only for its importance-sampling correction); scoring what was sampled keeps the ratio an importance weight of the
+sampling policy, and keeping the sampled token keeps its log-probability finite where the training forward pass
+ranks it just outside the cut (roundings, or a later iteration's policy).
+
+A batch in which every advantage is 0 (every group's rewards equal: a model that never earns a reward, or always
+does) carries no policy gradient, only the KL term's, which is 0 but for roundings while the policy is its reference.
+Adam scales such a gradient up to a full-size step, so the train step makes no update at all from it (`updates`):
+params, optimizer state and the update count stay as they were. TRL computes the same loss (0, plus beta * KL) and
+still calls optimizer.step(): from a fresh optimizer with exactly zero gradients that is also no move, but with
+earlier steps' momentum, weight decay or a rounding-sized KL gradient it moves the weights on no evidence.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxLite.models import sampling
 from MaxLite.training import loss as loss_lib
 
 # TRL's epsilon in the advantage's denominator: a group whose rewards are all equal gets advantage 0, not NaN.
@@ -52,16 +67,29 @@ def group_advantages(rewards: np.ndarray, weights: Sequence[float], num_generati
   completion, left out as TRL's nansum does): the weighted sum, less its group's mean, over its group's unbiased
   standard deviation + ADVANTAGE_EPSILON. A completion no function scored gets advantage 0 and no part in its group's
   statistics."""
-  rewards = np.asarray(rewards, np.float32)
-  total = weighted_total(rewards, weights)
-  total[np.isnan(rewards).all(axis=1)] = np.nan
-  grouped = total.reshape(-1, num_generations)
+  grouped = scored_totals(rewards, weights).reshape(-1, num_generations)
   with warnings.catch_warnings():  # an all-NaN group (no completion scored) is expected here
     warnings.simplefilter("ignore", RuntimeWarning)
     mean = np.nanmean(grouped, axis=1, keepdims=True)
     std = np.nanstd(grouped, axis=1, keepdims=True, ddof=1)
-  advantages = ((grouped - mean) / (std + ADVANTAGE_EPSILON)).reshape(-1)
+    # A group of equal rewards gets exactly 0 (its mean can differ from them by a rounding, which the epsilon would
+    # turn into an advantage of up to ~1e-3): the train step then knows it carries nothing (module docstring).
+    equal = np.nanmax(grouped, axis=1, keepdims=True) == np.nanmin(grouped, axis=1, keepdims=True)
+  advantages = np.where(equal, 0.0, (grouped - mean) / (std + ADVANTAGE_EPSILON)).reshape(-1)
   return np.where(np.isnan(advantages), 0.0, advantages).astype(np.float32)
+
+
+def scored_totals(rewards: np.ndarray, weights: Sequence[float]) -> np.ndarray:
+  """Each completion's weighted reward sum [completions], NaN for a completion no function scored (as TRL's)."""
+  rewards = np.asarray(rewards, np.float32)
+  total = weighted_total(rewards, weights)
+  total[np.isnan(rewards).all(axis=1)] = np.nan
+  return total
+
+
+def updates(batch: dict[str, jax.Array]) -> jax.Array:
+  """Whether a GRPO batch may move the policy: some completion has a non-zero advantage (module docstring)."""
+  return jnp.any(batch["advantages"] != 0)
 
 
 def token_losses(
@@ -113,9 +141,9 @@ def aggregate(loss: jax.Array, mask: jax.Array, mode: str) -> tuple[jax.Array, j
 
 
 def entropy(logits: jax.Array) -> jax.Array:
-  """The entropy of each position's next-token distribution [rows, positions], in float32."""
+  """The entropy of each position's next-token distribution [rows, positions], in float32 (-inf logits: cut tokens)."""
   log_q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(log_q) * log_q, axis=-1)
+  return -jnp.sum(jnp.where(jnp.isfinite(log_q), jnp.exp(log_q) * log_q, 0.0), axis=-1)
 
 
 def batch_keys(config: Any) -> tuple[str, ...]:
@@ -128,10 +156,19 @@ def batch_keys(config: Any) -> tuple[str, ...]:
   )
 
 
-def completion_log_probs(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
-  """log pi(target) at every position [rows, positions], in float32, of the distribution the completions were sampled
-  from: the logits over the sampling temperature, as TRL scores them."""
-  return loss_lib.target_log_probs(logits.astype(jnp.float32) / temperature, targets)[0]
+def scoring_logits(logits: jax.Array, targets: jax.Array, config: Any) -> jax.Array:
+  """The logits [rows, positions, vocab] of the distribution the completions were sampled from, in float32: over
+  rollout_temperature, cut by rollout_top_k/rollout_top_p as the sampler cuts them, each position's target kept
+  (module docstring)."""
+  truncated = config.rollout_top_k > 0 or config.rollout_top_p < 1.0
+  keep = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.bool_) if truncated else None
+  return sampling.sampling_logits(logits, config.rollout_temperature, config.rollout_top_k, config.rollout_top_p, keep)
+
+
+def completion_log_probs(logits: jax.Array, targets: jax.Array, config: Any) -> jax.Array:
+  """log pi(target) at every position [rows, positions], in float32, under the sampling distribution
+  (scoring_logits)."""
+  return loss_lib.target_log_probs(scoring_logits(logits, targets, config), targets)[0]
 
 
 def loss_sums(logits: jax.Array, batch: dict[str, jax.Array], config: Any) -> dict[str, jax.Array]:
@@ -139,7 +176,8 @@ def loss_sums(logits: jax.Array, batch: dict[str, jax.Array], config: Any) -> di
   (training/grpo_run.py's rows, with their advantages and, as the config needs them, the sampling policy's and the
   reference's log-probabilities). "count" is what the loss is a sum over; "tokens" the completion tokens."""
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  log_p = completion_log_probs(logits, batch["targets"], config.decode_sampling_temperature)
+  scored = scoring_logits(logits, batch["targets"], config)
+  log_p = loss_lib.target_log_probs(scored, batch["targets"])[0]
   old = batch["old_log_probs"] if config.num_iterations > 1 else jax.lax.stop_gradient(log_p)
   epsilon_high = config.grpo_epsilon if config.epsilon_high == -1.0 else config.epsilon_high
   per_token, terms = token_losses(
@@ -154,6 +192,6 @@ def loss_sums(logits: jax.Array, batch: dict[str, jax.Array], config: Any) -> di
     loss_algo=config.loss_algo,
   )
   total, count = aggregate(per_token, mask, config.loss_agg_mode)
-  terms["entropy"] = jax.lax.stop_gradient(entropy(logits.astype(jnp.float32) / config.decode_sampling_temperature))
+  terms["entropy"] = jax.lax.stop_gradient(entropy(scored))
   sums = {name: jnp.sum(jax.lax.stop_gradient(value) * mask) for name, value in terms.items()}
   return sums | {"loss_sum": total, "count": count, "tokens": jnp.sum(mask)}

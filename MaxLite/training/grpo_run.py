@@ -10,6 +10,7 @@ the uninterrupted one bit for bit. The prompt stream's position is what checkpoi
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -26,11 +27,14 @@ from MaxLite.data.tokenizer import continuation_text, load_tokenizer
 from MaxLite.models import build, sampling
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.training import grpo, rewards
+from MaxLite.training.evaluation import eval_due
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.train_state import model_params
 
 # The rollout's stream of random numbers: fold_in(fold_in(seed, step), ROLLOUT_STREAM), apart from the step's dropout.
 ROLLOUT_STREAM = 1
+# After this many steps in a row in which no group's rewards differed (so nothing was updated), the run says why.
+FLAT_STEPS_WARNING = 5
 
 
 def _rows_sharding(mesh: jax.sharding.Mesh, config: Config, rank: int) -> NamedSharding:
@@ -112,11 +116,24 @@ class GrpoSteps:
     self._row_shardings = (_rows_sharding(mesh, config, 2), _rows_sharding(mesh, config, 1))
     replicated = sharding_lib.replicated(mesh)
     self._rollout = rollout_function(config, self.tokenizer.eos_id, param_shardings, self._row_shardings, replicated)
+    self._flat_since: int | None = None  # the first of the latest steps in a row whose advantages were all 0
     self._score = jax.jit(
       lambda params, reference, batch: grpo_scores(config, params, reference, batch),
       in_shardings=(param_shardings, _reference_shardings(pieces.device_shardings), pieces.batch_sharding),
       out_shardings=pieces.batch_sharding,
     )
+
+  def _watch_reward_spread(self, step: int, advantages: np.ndarray, scores: np.ndarray) -> None:
+    """Warns once FLAT_STEPS_WARNING steps in a row had no reward spread in any group (training/grpo.py: no update)."""
+    if np.any(advantages):
+      self._flat_since = None
+      return
+    self._flat_since = step if self._flat_since is None else self._flat_since
+    if step - self._flat_since + 1 == FLAT_STEPS_WARNING:
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no completion scored: the mean is NaN
+        reward = float(np.nanmean(grpo.scored_totals(scores, self._weights)))
+      logging.warning(_flat_message(self._flat_since, step, reward))
 
   def __call__(self, state: Any, step: int) -> tuple[Any, dict[str, Any]]:
     config, g = self._config, self._config.num_generations
@@ -135,6 +152,7 @@ class GrpoSteps:
     columns.pop(self.batches.prompt_column)
     scores = rewards.score(self._functions, prompts, texts, columns)
     advantages = grpo.group_advantages(scores, self._weights, g)
+    self._watch_reward_spread(step, advantages, scores)
     rows["advantages"] = np.repeat(advantages[:, None], config.max_target_length, axis=1)
     batch = {k: _place(v, self._pieces.batch_sharding) for k, v in rows.items()}
     reference = state.frozen if state.frozen is not None else state.reference
@@ -151,6 +169,15 @@ class GrpoSteps:
     }
 
 
+def _flat_message(first: int, step: int, reward: float) -> str:
+  return (
+    f"GRPO steps {first}-{step}: in every group all completions got the same reward (mean reward {reward:.3f}), so "
+    "every advantage is 0 and the policy was not updated: a model that never (or always) "
+    "earns the reward has nothing to compare. Start from a model that sometimes does, e.g. load_parameters_path= the "
+    "checkpoints of an SFT run on the task (the README's GRPO walkthrough), or add a reward for partial success"
+  )
+
+
 def reward_setup(config: Config) -> tuple[list[Any], list[str], list[float]]:
   """The reward functions the config names, their metric names and their weights (1.0 each by default)."""
   functions = rewards.load(config.reward_functions)
@@ -158,14 +185,14 @@ def reward_setup(config: Config) -> tuple[list[Any], list[str], list[float]]:
 
 
 def rollout_function(config: Config, eos_id: int, param_shardings: Any, rows: tuple, out: Any, greedy: bool = False):
-  """The jitted sampler with the config's length, temperature, top-k and top-p, on the training mesh."""
+  """The jitted sampler with the config's length and rollout_temperature/top_k/top_p, on the training mesh."""
   rollout = sampling.make_rollout(
     build.model(config, decode=True),
     steps=config.max_decode_steps,
     eos_id=eos_id,
-    temperature=config.decode_sampling_temperature,
-    top_k=config.decode_sampling_top_k,
-    top_p=config.decode_sampling_nucleus_p,
+    temperature=config.rollout_temperature,
+    top_k=config.rollout_top_k,
+    top_p=config.rollout_top_p,
     greedy=greedy,
     in_shardings=(param_shardings, rows[0], rows[1], None),
     out_shardings=out,
@@ -195,21 +222,32 @@ def completion_texts(
 
 
 def reward_metrics(names: list[str], scores: np.ndarray, weights: list[float], g: int) -> dict[str, float]:
-  """TRL's reward metrics: each function's mean and std over the completions it scored, the weighted total's mean,
-  its mean standard deviation within groups, and the fraction of groups whose rewards are all equal (they teach
-  nothing: their advantages are 0)."""
+  """TRL's reward metrics (GRPOTrainer._generate_and_score_completions): each function's mean and std over the
+  completions it scored; `reward`, the mean of the weighted sum of the functions over the completions any function
+  scored (nanmean), `reward_std` its standard deviation over the batch (TRL's nanstd: unbiased, NaN for fewer than
+  two), and `frac_reward_zero_std` the fraction of groups whose (two or more) scored rewards are all equal: their
+  advantages are 0, they teach nothing."""
   out = {}
   for name, column in zip(names, scores.T):
     scored = column[~np.isnan(column)]
     out[f"rewards/{name}/mean"] = float(np.mean(scored)) if len(scored) else float("nan")
     out[f"rewards/{name}/std"] = float(np.std(scored, ddof=1)) if len(scored) > 1 else 0.0
-  total = grpo.weighted_total(scores, weights).reshape(-1, g)
-  group_std = np.std(total, axis=1, ddof=1)
-  return out | {
-    "reward": float(np.mean(total)),
-    "reward_std": float(np.mean(group_std)),
-    "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
-  }
+  total = grpo.scored_totals(scores, weights)
+  with warnings.catch_warnings():  # nothing (or one completion) scored: NaN, as TRL's
+    warnings.simplefilter("ignore", RuntimeWarning)
+    group_std = _nanstd(total.reshape(-1, g), axis=1)
+    return out | {
+      "reward": float(np.nanmean(total)),
+      "reward_std": float(_nanstd(total)),
+      "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+    }
+
+
+def _nanstd(values: np.ndarray, axis: int | None = None) -> np.ndarray:
+  """TRL's nanstd: the unbiased standard deviation of the non-NaN values, NaN where there are fewer than two."""
+  count = np.sum(~np.isnan(values), axis=axis)
+  std = np.nanstd(values, axis=axis, ddof=1)
+  return np.where(count > 1, std, np.nan)
 
 
 def _reference_shardings(shardings: Any) -> Any:
@@ -233,7 +271,7 @@ def _log_probs(model: Any, params: Any, batch: dict[str, jax.Array], config: Con
   logits = model.apply(
     {"params": jax.lax.stop_gradient(params)}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
   )
-  return grpo.completion_log_probs(logits, batch["targets"], config.decode_sampling_temperature)
+  return grpo.completion_log_probs(logits, batch["targets"], config)
 
 
 class GrpoEvaluator:
@@ -270,7 +308,7 @@ class GrpoEvaluator:
     return means | {"eval_reward": float(np.mean(total))}
 
   def maybe_eval(self, step: int, state: Any, log: StepLog) -> None:
-    if step % self._config.eval_interval != 0:
+    if not eval_due(self._config, step):
       return
     log.flush()
     log.record_eval(step, self.evaluate(model_params(state)))

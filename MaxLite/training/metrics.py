@@ -159,17 +159,19 @@ def compact(n: float) -> str:
   return f"{n:.0f}"
 
 
-def log_line(row: dict[str, Any]) -> str:
+def log_line(row: dict[str, Any], steps: int | None = None, seconds_left: float | None = None) -> str:
+  """The console's line for a step's row; `steps`: the run's last step (`step 17/200`), `seconds_left`: the time to
+  it at the recent step time."""
   parts = [
-    f"step {row['step']:>6d}",
+    f"step {row['step']:>6d}" + (f"/{steps}" if steps else ""),
     f"loss {row['loss']:.4f}",
     f"lr {row['learning_rate']:.3e}",
     f"grad_norm {row['grad_norm']:.3f}",
     f"step_time {row['step_time_s']:.3f}s",
     f"tokens/s {row['tokens_per_s']:,.0f}",
   ]
-  if "trained_tokens" in row:  # this step's, as in metrics.jsonl
-    parts.append(f"trained_tokens {compact(row['trained_tokens'])}")
+  if "trained_tokens" in row:  # this step's, as in metrics.jsonl: said so, it reads as a running total otherwise
+    parts.append(f"trained_tokens/step {compact(row['trained_tokens'])}")
   parts.append(f"TFLOP/s/device {row['tflops_per_device']:.3f}")
   if "mfu" in row:
     parts.append(f"MFU {100 * row['mfu']:.1f}%")
@@ -178,13 +180,36 @@ def log_line(row: dict[str, Any]) -> str:
     members.append(row[f"loss/member_{len(members)}"])
   if members:  # an ensemble: `loss` above is their mean
     parts.append("member losses " + " ".join(f"{loss:.4f}" for loss in members))
-  if "rewards/accuracies" in row:
-    parts.append(f"rewards/accuracies {row['rewards/accuracies']:.3f} margins {row['rewards/margins']:.3f}")
+  if "rewards/accuracies" in row:  # DPO; margins are small at first: 4 significant digits, not 3 decimals
+    parts.append(f"rewards/accuracies {row['rewards/accuracies']:.3f} margins {row['rewards/margins']:.4g}")
   if "reward" in row:  # GRPO
-    parts.append(f"reward {row['reward']:.3f} kl {row.get('kl', 0.0):.4f} length {row['completions/mean_length']:.1f}")
+    parts.append(_grpo_part(row))
   if "moe_lb_loss" in row:
     parts.append(f"moe_lb_loss {row['moe_lb_loss']:.4f} dropped {100 * row['moe_dropped_fraction']:.1f}%")
+  if seconds_left is not None:
+    parts.append(f"{duration(seconds_left)} left")
   return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+  """12s, 4m05s, 2h03m."""
+  seconds = max(0, round(seconds))
+  if seconds < 60:
+    return f"{seconds}s"
+  if seconds < 3600:
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _grpo_part(row: dict[str, Any]) -> str:
+  """GRPO's part of the log line: `reward` said to be the weighted sum of the functions (each one's mean beside it),
+  `kl` only when computed (grpo_beta > 0), the completions' mean length."""
+  functions = [k for k in row if k.startswith("rewards/") and k.endswith("/mean")]
+  each = ", ".join(f"{k[len('rewards/') : -len('/mean')]} {row[k]:.3f}" for k in functions)
+  text = f"reward {row['reward']:.3f} (weighted sum of {each})" if len(functions) > 1 else f"reward {row['reward']:.3f}"
+  if "kl" in row:
+    text += f" kl {row['kl']:.4g}"
+  return text + f" length {row['completions/mean_length']:.1f}"
 
 
 def metrics_row(
@@ -235,6 +260,8 @@ class StepLog:
     self._diverged: set[str] = set()  # ensemble members already reported as stopped
     self._pending: tuple[int, Any] | None = None
     self._clock = time.perf_counter()
+    self._first_step = (resumed_at or 0) + 1
+    self._recent: list[float] = []  # the latest steps' times, for the time left
 
   def record(self, step: int, metrics: Any) -> None:
     self.flush()
@@ -249,9 +276,15 @@ class StepLog:
     row = metrics_row(self._config, step, values, now - self._clock, self._tflops_per_step)
     self._warn_diverged(step, row)
     self._clock = now
+    if step > self._first_step:  # the first step's time is mostly its compile
+      self._recent.append(row["step_time_s"])
+      self._recent = self._recent[-20:]
     if step % self._config.log_period == 0 or step == self._config.steps:
       self._before_write(step)
-      logging.info(log_line(row))
+      left = None
+      if self._recent and step < self._config.steps:
+        left = (self._config.steps - step) * sum(self._recent) / len(self._recent)
+      logging.info(log_line(row, self._config.steps, left))
       self._writer.write(row)
     self.rows.append(row)
 

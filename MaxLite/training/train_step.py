@@ -143,6 +143,8 @@ def train_step(
     new_state = state.apply_gradients(grads=grads)
   else:  # the member's own schedule; its optimizer state has the same structure, so `tx` goes back unchanged
     new_state = state.replace(tx=create_optimizer(config, peak)).apply_gradients(grads=grads).replace(tx=state.tx)
+  if config.use_grpo:  # no update from a batch whose advantages are all 0 (training/grpo.py's docstring)
+    new_state = jax.tree.map(functools.partial(jnp.where, grpo.updates(batch)), new_state, state)
   # With LoRA the routing bias belongs to the frozen base, which a LoRA step does not save: moved here it would be
   # lost at each resume and missing from every export (base + adapters), so it stays as loaded.
   if "expert_counts" in aux and config.routed_bias_update_rate > 0 and state.frozen is None:
