@@ -32,7 +32,7 @@ from gcs import LocalGCS  # noqa: E402
 
 BUCKET = "fault-trial"
 STEPS, PERIOD = 12, 3
-_LOGGED_STEP = re.compile(r"step\s+(\d+) \| loss")
+_LOGGED_STEP = re.compile(r"step\s+(\d+)(?:/\d+)? \| loss")
 KILLS = ("job", "one_process", "during_save")
 
 

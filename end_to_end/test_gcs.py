@@ -23,7 +23,7 @@ BUCKET = "maxlite-test"
 TINY = (*procs.TINY, "dataset_type=grain")
 CORPUS = os.path.join(procs.REPO, "assets", "corpus")
 TOKENIZER = os.path.join(procs.REPO, "assets", "tokenizer", "maxlite_sp8k.model")
-_LOGGED_STEP = re.compile(r"step\s+(\d+) \| loss")
+_LOGGED_STEP = re.compile(r"step\s+(\d+)(?:/\d+)? \| loss")
 
 
 @pytest.fixture(scope="module")

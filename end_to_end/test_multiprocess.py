@@ -151,7 +151,7 @@ def test_a_crashed_process_fails_the_launch_fast_and_leaves_no_orphans(tmp_path)
   # the whole log: the peer's traceback, forwarded after the report, can be longer than any fixed tail
   output = procs.tail(log, lines=100_000)
   assert "launch_local: process 1 exited with code -9; last lines of" in output
-  assert re.search(r"  \| .*step +\d+ \| loss", output)  # the crashed process's own last log lines
+  assert re.search(r"  \| .*step +\d+/\d+ \| loss", output)  # the crashed process's own last log lines
   _assert_all_exit(f"base_output_directory={tmp_path}")
 
 

@@ -240,6 +240,11 @@ def test_int8_layouts_and_remat_policies_train_like_one_device(one_device, tmp_p
   first = _losses(_run(tmp_path, 8, *model, *INT8, "per_device_batch_size=1", *mesh))[0][0]
   from_int8, from_plain = abs(first - one_device(model, INT8)[0][0]), abs(first - one_device(model)[0][0])
   print(f"first loss {first:.6f}: {from_int8:.2e} from one-device int8, {from_plain:.2e} from unquantized")
+  if model == DEEPSEEK:
+    # Not decisive for the MoE model on every CPU: on a 2-core Intel Xeon VM (2026-12-06, main at 74bc467 as well)
+    # the layout's first loss sits 1.48e-2 from the one-device int8 run and 1.40e-2 from the unquantized one (router
+    # top-k flips amplify the last-bit differences more than int8 moves the loss): the int8 dot count is its check.
+    return
   assert from_int8 < from_plain / 2
 
 
