@@ -3,6 +3,7 @@ metrics.jsonl and as tensorboard scalars (process 0 only)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -261,7 +262,7 @@ class StepLog:
     self._pending: tuple[int, Any] | None = None
     self._clock = time.perf_counter()
     self._first_step = (resumed_at or 0) + 1
-    self._recent: list[float] = []  # the latest steps' times, for the time left
+    self._recent: collections.deque[float] = collections.deque(maxlen=20)  # the latest steps' times: the time left
 
   def record(self, step: int, metrics: Any) -> None:
     self.flush()
@@ -278,7 +279,6 @@ class StepLog:
     self._clock = now
     if step > self._first_step:  # the first step's time is mostly its compile
       self._recent.append(row["step_time_s"])
-      self._recent = self._recent[-20:]
     if step % self._config.log_period == 0 or step == self._config.steps:
       self._before_write(step)
       left = None
