@@ -237,7 +237,8 @@ def test_autoselected_checks_the_kernel_that_runs_against_what_the_config_needs(
   assert (synthetic["max_segments_per_seq"], synthetic["attention_segments"]) == (-1, 1)
   on_cpu = _derive()
   assert (on_cpu["max_segments_per_seq"], on_cpu["attention_segments"]) == (-1, 0)
-  with pytest.raises(ConfigError, match=r"^max_segments_per_seq=1 must be -1 \(no cap\) or >= 2 \(a DPO pair"):
+  message = r"^max_segments_per_seq=1 must be -1 \(no cap\) or >= 2 \(dpo packs the 2 documents of a pair"
+  with pytest.raises(ConfigError, match=message):
     _derive("max_segments_per_seq=1", "use_dpo=true", "load_parameters_path=/nowhere")
 
 

@@ -289,7 +289,10 @@ def test_shipped_maxtext_recipes_load_for_their_slice(recipe):
     (["steps=0b10"], "got '0b10': binary is not read"),
     (["eval_interval=12:30"], "got '12:30': base 60 (YAML 1.1's h:m:s) is not read"),
     # an rl. spelling sets only an RL key
-    (["rl.steps=5"], "rl.steps=5 (from command line) is not an RL key: the rl group holds only GRPO's keys"),
+    (
+      ["rl.steps=5"],
+      "rl.steps=5 (from command line) is not an RL key: the rl group holds only its own (--describe Grpo)",
+    ),
     (["rl.learning_rate=0.1"], "learning_rate is a top-level key: write learning_rate=0.1"),
     # finite, positive where the math needs it
     (["normalization_layer_epsilon=nan"], "normalization_layer_epsilon must be in (0, inf), got nan"),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxLite.training import grpo
+from MaxLite.objectives import grpo
 
 torch = pytest.importorskip("torch")
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")

@@ -14,7 +14,8 @@ from conftest import BASE_YML
 
 from MaxLite.config import load_config
 from MaxLite.models import sampling
-from MaxLite.training import grpo, grpo_run
+from MaxLite.objectives import grpo
+from MaxLite.training import grpo_run
 from MaxLite.training.metrics import log_line
 
 torch = pytest.importorskip("torch")
@@ -61,7 +62,7 @@ def test_a_group_of_equal_rewards_gets_advantage_exactly_zero():
 def test_trl_s_loss_on_an_all_zero_advantage_batch_and_the_step_that_updates_nothing():
   """TRL's loss on a batch whose advantages are all 0 is 0 (beta 0) or beta times the KL; MaxLite's is the same. With
   the policy at its reference that KL's gradient is 0 but for roundings, which Adam scales to a full-size step:
-  MaxLite makes no update from such a batch (training/grpo.py), whatever the gradient says."""
+  MaxLite makes no update from such a batch (objectives/grpo.py), whatever the gradient says."""
   rng = np.random.default_rng(0)
   rows, t = 4, 5
   mask = np.ones((rows, t), np.float32)
@@ -162,7 +163,7 @@ def test_the_loss_scores_the_distribution_the_rollout_samples(top_k, top_p):
   sampled = jnp.take_along_axis(sampler, targets[..., None], -1)[..., 0]
   # The step's ratio pi / pi_old against the sampler's own log-probabilities is 1 on every token: loss -A exactly.
   batch = {"targets": targets, "targets_segmentation": jnp.ones((2, 3), jnp.int32), "old_log_probs": sampled}
-  sums = grpo.loss_sums(logits, batch | {"advantages": jnp.ones((2, 3))}, config)
+  sums = grpo.token_loss_sums(logits, batch | {"advantages": jnp.ones((2, 3))}, config)
   np.testing.assert_allclose(float(sums["loss_sum"] / sums["count"]), -1.0, rtol=1e-6)
   got = grpo.completion_log_probs(logits, targets, config)
   np.testing.assert_allclose(got, sampled, rtol=1e-5, atol=1e-6)

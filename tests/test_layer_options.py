@@ -16,9 +16,9 @@ from flax.linen import partitioning as nn_partitioning
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import choices
 from MaxLite.models.transformer import Transformer
+from MaxLite.objectives import cross_entropy as loss
 from MaxLite.parallel import sharding
 from MaxLite.parallel.mesh import create_mesh
-from MaxLite.training import loss
 
 SEQ = 32
 MHA = ("base_num_query_heads=4", "base_num_kv_heads=4", "max_target_length=32")

@@ -1,7 +1,7 @@
-"""Imports flow one way: commands -> planning -> aot -> inference, training -> checkpoint -> models, data -> layers ->
-parallel, runtime, launch -> config -> storage -> cli. Read from the source (every import statement, those inside
-functions too, since a lazy import is still a dependency), so a circle or an import that runs back up fails here
-instead of being found later in a drawing of the package.
+"""Imports flow one way: commands -> planning -> aot -> inference, training -> objectives -> checkpoint -> models,
+data -> layers -> parallel, runtime, launch -> config -> storage -> cli. Read from the source (every import statement,
+those inside functions too, since a lazy import is still a dependency), so a circle or an import that runs back up
+fails here instead of being found later in a drawing of the package.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ RANKS = {
   "data": 4,
   "models": 5,
   "checkpoint": 6,
-  "training": 7,
-  "inference": 8,
-  "aot": 8,
-  "planning": 9,
+  "objectives": 7,
+  "training": 8,
+  "inference": 9,
+  "aot": 9,
+  "planning": 10,
 }
-COMMANDS = 10
+COMMANDS = 11
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:

@@ -14,8 +14,8 @@ from conftest import REPO, first_devices, make_config
 from MaxLite.aot import buffer_report
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data import BATCH_KEYS
+from MaxLite.objectives import cross_entropy as loss
 from MaxLite.parallel import topologies
-from MaxLite.training import loss
 from MaxLite.training.trainer import train
 
 RUN = (

@@ -15,10 +15,10 @@ from MaxLite.checkpoint.manager import sharded_target
 from MaxLite.cli.errors import ConfigError
 from MaxLite.data import input_pipeline
 from MaxLite.models import build
+from MaxLite.objectives import cross_entropy as loss_lib
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh
 from MaxLite.training import builder, nnx_module
-from MaxLite.training import loss as loss_lib
 from MaxLite.training.optimizer import create_optimizer
 from MaxLite.training.trainer import initial_state, train
 

@@ -22,7 +22,8 @@ from MaxLite.data.records import EncodeRecord
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.models.hf_layout import global_tensors, layer_tensors
 from MaxLite.models.transformer import Transformer
-from MaxLite.training import dpo, loss
+from MaxLite.objectives import cross_entropy as loss
+from MaxLite.objectives import dpo
 from MaxLite.training.train_step import batch_loss_sums
 from MaxLite.training.trainer import train
 

@@ -1,10 +1,14 @@
-"""The typed config schema (MaxLite/config/schema.py) is the one definition of every key: configs/base.yml must say
-the same keys, defaults and descriptions, the closed sets of values must be choices.py's, the loader must type values
-by it, and the config tools must describe keys from it."""
+"""The typed config schema (MaxLite/config/schema.py) is the one definition of every key: configs/base.yml,
+config_keys.py and the README's tables of keys are written from it (and fail here when stale), which keys a checkpoint
+saves is each Field's marker, the closed sets of values must be choices.py's, the loader must type values by it, and
+the config tools must describe keys from it."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import typing
@@ -14,7 +18,7 @@ import yaml
 
 from MaxLite import cli
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import choices, loader, schema
+from MaxLite.config import choices, generate, keys_model, loader, schema
 from MaxLite.config.keys_derived import Derived
 
 _KEY = re.compile(r"^([A-Za-z_]\w*):(.*)$")
@@ -72,6 +76,150 @@ def test_a_base_yml_that_drifts_is_named(edit, problem):
     text = f.read()
   assert text.count(edit[0]) == 1
   assert any(p.startswith(problem) for p in drift(text.replace(*edit))), drift(text.replace(*edit))
+
+
+# The files written from the schema: each is what `python -m MaxLite.config.generate` writes, or a test names it.
+
+
+@pytest.mark.parametrize("path", [generate.BASE_YML_PATH, generate.CONFIG_KEYS_PATH, generate.README_PATH])
+def test_every_file_written_from_the_schema_is_up_to_date(path):
+  relative = os.path.relpath(path, generate.REPO)
+  stale = generate.stale()
+  assert relative not in stale, (
+    f"{relative} is stale (the schema says otherwise): run `{generate.COMMAND}` to rewrite it\n{stale[relative]}"
+  )
+
+
+def test_a_changed_field_makes_every_written_file_stale(monkeypatch):
+  """A description changed in its Field (the one place it is declared) shows in base.yml's comment, the README's
+  table and, for a new key's type, config_keys.py; the check names each file with the command that rewrites it."""
+  monkeypatch.setattr(schema.FIELDS["steps"], "description", "optimizer steps")
+  stale = generate.stale()
+  assert set(stale) == {"configs/base.yml", "README.md"}
+  assert "+steps: 200                        # optimizer steps" in stale["configs/base.yml"]
+  monkeypatch.setattr(schema.FIELDS["steps"], "annotation", float)
+  assert "MaxLite/config/config_keys.py" in generate.stale()
+  lines = []
+  monkeypatch.setattr("builtins.print", lambda *a: lines.append(" ".join(map(str, a))))
+  assert generate.main(["--check"]) == 1
+  assert any(line.startswith(f"configs/base.yml is stale: run `{generate.COMMAND}`") for line in lines), lines
+
+
+def test_written_base_yml_reads_back_as_the_defaults():
+  """The YAML spellings the generator picks (quoted strings, 1.0e-5, multi-line lists with their notes) read back as
+  each default with its type, by YAML and by the loader."""
+  text = generate.base_yml()
+  assert drift(text) == []
+  assert loader.load_raw(["configs/base.yml"]) == schema.defaults() | {"explicit_keys": []}
+  for value in (1e-05, 3e-3, 1e30, -2.5e-12, float("inf"), "3.10", "no", "", ["a", 1.0e-8], [["x", []]]):
+    assert yaml.safe_load(f"k: {generate.yaml_value(value)}")["k"] == value, value
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
+def test_written_config_keys_is_as_ruff_formats_it():
+  """config_keys.py needs no `ruff format` after it is written: a repository-wide format leaves it as written."""
+  proc = subprocess.run(
+    ["ruff", "format", "--stdin-filename", generate.CONFIG_KEYS_PATH, "-"],
+    input=generate.config_keys(),
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout == generate.config_keys()
+
+
+# Which keys a checkpoint saves is a marker on each Field (json_schema_extra "saved"), never a list kept by hand.
+
+
+def model_groups() -> list[type]:
+  """The groups that describe the network: keys_model.py's, a model family's own (declared under MaxLite.models), and
+  any other group in which some key carries a checkpoint marker."""
+
+  def marked(group: type) -> bool:
+    return any("saved" in (f.json_schema_extra or {}) for f in group.model_fields.values())
+
+  return [
+    g
+    for g in schema.GROUPS
+    if g.__module__ == keys_model.__name__ or g.__module__.startswith("MaxLite.models") or marked(g)
+  ]
+
+
+def unmarked_keys(groups: list[type]) -> list[str]:
+  """`Group.key` for each key of these groups whose Field does not say true or false to `saved`."""
+  return [
+    f"{group.__name__}.{key}"
+    for group in groups
+    for key, field in group.model_fields.items()
+    if not isinstance(field.json_schema_extra, dict) or not isinstance(field.json_schema_extra.get("saved"), bool)
+  ]
+
+
+def test_every_model_key_says_whether_a_checkpoint_saves_it():
+  """A new model key cannot be silently left out of the checkpoint: its Field must say saved (it changes the parameters
+  or the function they compute) or not saved (how or at what precision it is computed, or how it is trained)."""
+  groups = model_groups()
+  assert {g.__name__ for g in groups} >= {"ModelArchitecture", "Rope", "Remat", "SplashAttention", "MlaAttention"}
+  assert unmarked_keys(groups) == [], (
+    'mark each with json_schema_extra={"saved": True} or {"saved": False} (keys_model.py says which)'
+  )
+
+
+def test_a_model_key_without_a_marker_is_named():
+  from pydantic import BaseModel, Field
+
+  class Family(BaseModel):
+    sinks: bool = Field(False, description="a learned logit per head", json_schema_extra={"saved": True})
+    sink_block: int = Field(128, description="a kernel's tile")
+    sink_scale: float = Field(1.0, description="", json_schema_extra={"saved": "yes"})
+
+  assert unmarked_keys([Family]) == ["Family.sink_block", "Family.sink_scale"]
+
+
+def _another_value(key: str):
+  """A value of the key's type other than its default (and inside its bounds): the next allowed value, the other
+  boolean, the default moved by 2 or 0.5, a longer string or list."""
+  default = schema.FIELDS[key].default
+  allowed = schema.allowed_values(key)
+  if allowed is not None:
+    return next(v for v in allowed if v != default)
+  if isinstance(default, bool):
+    return not default
+  if isinstance(default, (int, float)):
+    return default + (2 if isinstance(default, int) else 0.5)
+  if isinstance(default, str):
+    return default + "_other"
+  return [*default, "other"]
+
+
+def test_model_keys_are_the_keys_marked_saved_and_a_checkpoint_gives_each_back(tmp_path):
+  """loader.MODEL_KEYS is the Fields marked saved, and each of them, saved with a checkpoint, is what a run that loads
+  it gets (unless set) and what a resume may not change."""
+  from MaxLite.checkpoint import resume_checks
+
+  marked = [k for g in schema.GROUPS for k in g.model_fields if (schema.FIELDS[k].json_schema_extra or {}).get("saved")]
+  assert loader.MODEL_KEYS == schema.SAVED_KEYS == tuple(marked)
+  assert {"decoder_block", "base_emb_dim", "vocab_size", "scan_layers", "rope_type", "num_experts"} <= set(marked)
+  assert not {"dtype", "remat_policy", "attention", "sa_block_q", "num_vocab_tiling"} & set(marked)
+  saved = {key: _another_value(key) for key in loader.MODEL_KEYS}
+  step = tmp_path / "checkpoints" / "3"
+  (step / "state").mkdir(parents=True)
+  (step / "config").mkdir()
+  (step / "config" / "config.json").write_text(json.dumps(saved))
+  raw = loader.load_raw(["configs/base.yml", f"load_parameters_path={step}"])
+  assert {key: raw[key] for key in saved} == saved
+  assert loader.checkpoint_model_settings(str(step)) == saved
+  differences = resume_checks.resume_differences(saved, schema.defaults())
+  assert [d.split(" ", 1)[0] for d in differences if d.split(" ", 1)[0] in saved] == list(loader.MODEL_KEYS)
+
+
+def test_the_loader_types_values_through_the_schema_alone():
+  """The loader's own `coerce` (a second typing for keys the schema lacks, which every key is in) is gone."""
+  import MaxLite.config as config_lib
+
+  assert not hasattr(loader, "coerce") and "coerce" not in config_lib.__all__
+  assert all(hasattr(loader, name) for name in config_lib.__all__)
 
 
 def test_literals_are_the_choices_lists():
@@ -284,11 +432,6 @@ def test_config_declares_every_key_with_the_type_it_reads_as():
       want = tuple[typing.get_args(want)[0], ...]
     assert hints.get(key) == want, (key, hints.get(key), want)
   assert set(hints) == set(schema.FIELDS) | set(schema.DERIVED)
-  with open(schema.CONFIG_KEYS_PATH, encoding="utf-8") as f:
-    generated = f.read()
-  # Text compared without the wrapping `ruff format` adds, so a regenerated file only differs where the schema did.
-  squash = lambda text: re.sub(r"\s+|,(?=\s*\])", "", text).replace("'", '"')  # noqa: E731
-  assert squash(generated) == squash(schema.config_keys_source()), "run schema.write_config_keys() and ruff format"
 
 
 def test_config_reads_stay_attribute_reads_of_a_frozen_hashable_view():
@@ -305,6 +448,11 @@ def test_config_reads_stay_attribute_reads_of_a_frozen_hashable_view():
 # The README's tables of keys say what the schema says.
 
 
+def _cells(row: str) -> list[str]:
+  """A table row's cells; `\\|` is a pipe inside a cell (the written tables of keys have many), not a separator."""
+  return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+
+
 def _table_cells(text: str) -> list[tuple[list[str], list[list[str]]]]:
   """Each Markdown table: its header cells and its rows' cells."""
   tables, lines = [], text.splitlines()
@@ -318,8 +466,8 @@ def _table_cells(text: str) -> list[tuple[list[str], list[list[str]]]]:
       for row in lines[i + 2 :]:
         if not row.startswith("|"):
           break
-        rows.append([c.strip() for c in row.strip("|").split("|")])
-      tables.append(([c.strip() for c in line.strip("|").split("|")], rows))
+        rows.append(_cells(row))
+      tables.append((_cells(line), rows))
   return tables
 
 
@@ -386,7 +534,10 @@ def test_readme_tables_of_keys_match_the_schema():
   [
     (("| `autoselected` (default) |", "| `autoselected` |"), None),
     (("| `dot_product` | XLA", "| `dot_product` (default) | XLA"), "attention: README says default 'dot_product'"),
-    (("| `ici_fsdp_parallelism` |", "| `ici_fsdp_parallelizm` |"), "ici_fsdp_parallelizm: in a README table's 'keys'"),
+    (
+      ("| FSDP | `ici_fsdp_parallelism` |", "| FSDP | `ici_fsdp_parallelizm` |"),
+      "ici_fsdp_parallelizm: in a README table",
+    ),
     (("activations | `dtype=float32`", "activations | `dtype=float31`"), "dtype: README table's dtype=float31: dtype="),
     (("`sa_block_kv_dq` (default 512,", "`sa_block_kv_dq` (default 256,"), "sa_block_kv_dq: README says default '256'"),
     (("`grain_text_column` (default `text`)", "`grain_text_column` (default `txt`)"), "grain_text_column: README says"),

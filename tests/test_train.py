@@ -290,10 +290,10 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
   "kind, flags, values, shown",
   [
     ("plain", {}, {"tokens": 4096.0}, "trained_tokens/step 4.1K"),
-    ("sft", {"use_sft": True}, {"tokens": 1234.0}, "trained_tokens/step 1.2K"),
+    ("sft", {"objective": "sft"}, {"tokens": 1234.0}, "trained_tokens/step 1.2K"),
     (
       "dpo",
-      {"use_dpo": True},
+      {"objective": "dpo"},
       {"tokens": 987.0, "pairs": 4.0, "rewards/accuracies": 0.5, "rewards/margins": 0.1},
       "trained_tokens/step 987",
     ),
@@ -316,8 +316,7 @@ def test_step_line_shows_the_trained_tokens_of_every_kind_of_run(kind, flags, va
     ensemble_size=1,
     max_target_length=512,
     z_loss_multiplier=0.0,
-    use_sft=False,
-    use_dpo=False,
+    objective="pretraining",
     peak_tflops_per_device=0.0,
   )
   vars(config).update(flags)

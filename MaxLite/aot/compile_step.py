@@ -81,10 +81,11 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
   import jax.numpy as jnp
   from flax.linen import partitioning as nn_partitioning
 
+  from MaxLite.config import objectives
   from MaxLite.data import BATCH_KEYS
   from MaxLite.parallel import sharding
   from MaxLite.parallel.mesh import create_mesh
-  from MaxLite.training import builder, grpo
+  from MaxLite.training import builder
 
   mesh = create_mesh(config, devices)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
@@ -92,8 +93,8 @@ def lower_train_step(config: Any, devices: Sequence[Any]) -> tuple[Any, dict]:
     abstract, shardings = pieces.abstract, pieces.shardings
     ids = jax.ShapeDtypeStruct((config.global_batch_size_to_load, config.max_target_length), jnp.int32)
     batch = {k: ids for k in BATCH_KEYS}
-    if config.use_grpo:  # the update step; the sampler is a program of its own, not compiled here
-      batch |= {k: jax.ShapeDtypeStruct(ids.shape, jnp.float32) for k in grpo.batch_keys(config)}
+    # The objective's own arrays (GRPO's advantages: the update step; its sampler is a program of its own).
+    batch |= {k: jax.ShapeDtypeStruct(ids.shape, jnp.float32) for k in objectives.of(config).batch_keys(config)}
     lowered = pieces.step.lower(abstract, batch)
   state_bytes = {
     "params": sharding.sharded_bytes(abstract.params, shardings.params),

@@ -25,6 +25,7 @@ from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.checkpoint.safetensors_io import SafetensorsReader, write_checkpoint
 from MaxLite.checkpoint.tokenizer_export import write_tokenizer
 from MaxLite.cli.errors import InputError
+from MaxLite.config import schema
 from MaxLite.data.tokenizer import load_tokenizer
 from MaxLite.models import build
 from MaxLite.models.hf_layout import layer_slot, part_slice
@@ -65,28 +66,30 @@ def to_maxlite(hf_path: str, output_path: str, argv: Sequence[str]) -> str:
   config = _load_config(argv, [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in settings.items()])
   explicit = dict(a.split("=", 1) for a in argv if "=" in a)
   for key, value in settings.items():  # given model keys must agree with the checkpoint
-    if key in explicit and config_lib.coerce(key, explicit[key], value, "command line") != value:
+    if key in explicit and schema.coerce(key, explicit[key], "command line") != value:
       raise InputError(f"{key}={explicit[key]} was given but {config_json} has {value}")
   dtype = np.dtype(config.weight_dtype)
   params: dict = {}
   n = config.base_num_decoder_layers
+  read = family.hf.read or SafetensorsReader.read
   for t in family.hf.global_tensors(config):
-    _set(params, t.path, _converted(reader, t.hf_name, t.to_maxlite).astype(dtype))
+    for path, value in zip(_paths(t), _parts(t, _converted(reader, t.hf_name, t.to_maxlite, read))):
+      _set(params, path, value.astype(dtype))
   for i in range(n):
     stack, j = layer_slot(family, config, i)
     for t in family.hf.layer_tensors(config, i):
-      value = _read_layer_tensor(reader, t, i, config.num_experts)
-      path = f"decoder/{stack.name}/{t.path}" if config.scan_layers else f"decoder/{stack.name}_{j}/{t.path}"
-      whole = _get(params, path, missing=None)
-      if whole is None:  # the stack's first layer (or first part of a fused weight) gives the shape
-        shape = value.shape
-        if t.part is not None:
-          axis, _, count = t.part
-          shape = (*shape[:axis], count, *shape[axis:])
-        whole = np.empty((stack.count, *shape) if config.scan_layers else shape, dtype)
-        _set(params, path, whole)
-      layer = whole[j] if config.scan_layers else whole
-      layer[part_slice(t.part) if t.part is not None else ...] = value
+      for name, value in zip(_paths(t), _read_layer_tensor(reader, t, i, config.num_experts, read)):
+        path = f"decoder/{stack.name}/{name}" if config.scan_layers else f"decoder/{stack.name}_{j}/{name}"
+        whole = _get(params, path, missing=None)
+        if whole is None:  # the stack's first layer (or first part of a fused weight) gives the shape
+          shape = value.shape
+          if t.part is not None:
+            axis, _, count = t.part
+            shape = (*shape[:axis], count, *shape[axis:])
+          whole = np.empty((stack.count, *shape) if config.scan_layers else shape, dtype)
+          _set(params, path, whole)
+        layer = whole[j] if config.scan_layers else whole
+        layer[part_slice(t.part) if t.part is not None else ...] = value
   _check_against_model(params, config)
   return save_params(params, config, output_path)
 
@@ -102,15 +105,28 @@ def _model_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
   return {"decoder_block": family.decoder_blocks[0], **family.hf.settings(hf, source)}
 
 
-def _read_layer_tensor(reader: SafetensorsReader, t: Any, layer: int, num_experts: int) -> np.ndarray:
+def _paths(t: Any) -> tuple[str, ...]:
+  """The MaxLite weights one Hugging Face tensor holds (hf_layout.Tensor: one path, or several)."""
+  return t.path if isinstance(t.path, tuple) else (t.path,)
+
+
+def _parts(t: Any, converted: Any) -> tuple[np.ndarray, ...]:
+  return tuple(converted) if isinstance(t.path, tuple) else (converted,)
+
+
+def _read_layer_tensor(
+  reader: SafetensorsReader, t: Any, layer: int, num_experts: int, read: Any
+) -> tuple[np.ndarray, ...]:
+  """The tensor's MaxLite weights, one per path."""
   name = f"model.layers.{layer}.{t.hf_name}"
   if "{e}" not in name:
-    return _converted(reader, name, t.to_maxlite)
-  return np.stack([_converted(reader, name.format(e=e), t.to_maxlite) for e in range(num_experts)])
+    return _parts(t, _converted(reader, name, t.to_maxlite, read))
+  experts = [_parts(t, _converted(reader, name.format(e=e), t.to_maxlite, read)) for e in range(num_experts)]
+  return tuple(np.stack(weight) for weight in zip(*experts))
 
 
-def _converted(reader: SafetensorsReader, name: str, to_maxlite: Any) -> np.ndarray:
-  value = reader.read(name)
+def _converted(reader: SafetensorsReader, name: str, to_maxlite: Any, read: Any) -> Any:
+  value = read(reader, name)
   if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
     raise InputError(f"tensor {name!r} has dtype {value.dtype}, expected floating point")
   try:
@@ -194,23 +210,24 @@ def to_hf(checkpoint_path: str, output_path: str, argv: Sequence[str], adapter: 
     tensors.append((name, to_hf_fn(value).shape, dtype, lambda: to_hf_fn(value)))
 
   family = models.family(config.decoder_block)
+  joined = lambda t, values: values if isinstance(t.path, tuple) else values[0]  # what t.to_hf takes
   for t in family.hf.global_tensors(config):
-    add(t.hf_name, _get(params, t.path), t.to_hf)
+    add(t.hf_name, joined(t, tuple(_get(params, path) for path in _paths(t))), t.to_hf)
   for i in range(config.base_num_decoder_layers):
     stack, j = layer_slot(family, config, i)
     for t in family.hf.layer_tensors(config, i):
       if config.scan_layers:
-        value = _get(params, f"decoder/{stack.name}/{t.path}")[j]
+        values = tuple(_get(params, f"decoder/{stack.name}/{path}")[j] for path in _paths(t))
       else:
-        value = _get(params, f"decoder/{stack.name}_{j}/{t.path}")
+        values = tuple(_get(params, f"decoder/{stack.name}_{j}/{path}") for path in _paths(t))
       if t.part is not None:
-        value = value[part_slice(t.part)]
+        values = tuple(value[part_slice(t.part)] for value in values)
       name = f"model.layers.{i}.{t.hf_name}"
       if "{e}" in name:
         for e in range(config.num_experts):
-          add(name.format(e=e), value[e], t.to_hf)
+          add(name.format(e=e), joined(t, tuple(value[e] for value in values)), t.to_hf)
       else:
-        add(name, value, t.to_hf)
+        add(name, joined(t, values), t.to_hf)
   files = write_checkpoint(output_path, tensors)
   hf_config = family.hf.config(config, **{name: i if i >= 0 else None for name, i in ids.items()})
   storage.write_text(storage.join(output_path, "config.json"), json.dumps(hf_config, indent=2))

@@ -44,7 +44,8 @@ def _projections(config: Any) -> Iterator[tuple[str, list[str], int | None, Any]
   for i in range(config.base_num_decoder_layers):
     stack, j = layer_slot(family, config, i)
     for t in family.hf.layer_tensors(config, i):
-      if not (t.path.endswith("/kernel") and t.hf_name.endswith(".weight")) or "{e}" in t.hf_name:
+      one = isinstance(t.path, str)  # a tensor of several MaxLite weights (paths) is no one projection's kernel
+      if not (one and t.path.endswith("/kernel") and t.hf_name.endswith(".weight")) or "{e}" in t.hf_name:
         continue
       module = t.path.removesuffix("/kernel").split("/")
       where = ["decoder", stack.name, *module] if config.scan_layers else ["decoder", f"{stack.name}_{j}", *module]

@@ -12,7 +12,6 @@ import json
 import os
 from typing import Any
 
-from MaxLite import config as config_lib
 from MaxLite import storage
 from MaxLite.cli.errors import InputError
 from MaxLite.config import schema
@@ -80,15 +79,15 @@ def take_from_checkpoint(raw: dict[str, Any]) -> str | None:
   stored = saved_config(path)
   if not stored or not any(k in stored for k in TOKENIZER_KEYS):
     return None
-  if stored.get("dataset_type") == "synthetic" and not stored.get("use_grpo"):
+  if stored.get("dataset_type") == "synthetic":  # (GRPO refuses synthetic data: it reads prompt files)
     return None  # a run on synthetic ids never read text: its tokenizer keys are the defaults, not its tokenizer
   step_dir = step_dir_of(path)
   origin = f"(from the checkpoint {step_dir})"
-  explicit, defaults = set(raw.get("explicit_keys", ())), schema.defaults()
+  explicit = set(raw.get("explicit_keys", ()))
   taken = False
   for key in TOKENIZER_KEYS:
     if key in stored and key not in explicit:
-      value = config_lib.coerce(key, stored[key], defaults[key], f"from the checkpoint {step_dir}")
+      value = schema.coerce(key, stored[key], f"from the checkpoint {step_dir}")
       raw[key] = _locate(key, value, stored, origin) if key in _PATH_KEYS else value
       taken = True
   return origin if taken else None

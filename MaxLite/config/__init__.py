@@ -16,7 +16,6 @@ _LOADER_NAMES = (
   "available_models",
   "build",
   "checkpoint_model_settings",
-  "coerce",
   "load_config",
   "load_raw",
   "parse_overrides",

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import splash_blocks
+from MaxLite.config import families, splash_blocks
 
 _ALIASES = {"flash": "splash", "cudnn_flash_jax": "cudnn"}
 _GPU = ("gpu", "cuda")  # jax's names for an NVIDIA backend (cuDNN does not exist on ROCm)
@@ -25,6 +25,7 @@ SOFT_CAP = "a soft cap on the scores"
 NARROW_VALUES = "values narrower than queries and keys"
 FLOAT32 = "float32 activations"
 SPLIT_SEQUENCE = "a sequence split over devices"
+SINKS = "attention sinks (a learned logit per head in the softmax)"
 # cuDNN's packed layout has a fixed number of segments per row; MaxText's GPU configs use 32.
 GPU_SEGMENTS_PER_ROW = 32
 
@@ -43,25 +44,26 @@ KERNELS = {
     Kernel(
       "dot_product",
       ("cpu", "tpu", *_GPU),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE}),
+      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS}),
       "XLA, materialises [batch, heads, seq, seq] scores",
     ),
-    # Values narrower than queries are zero-padded to the query width (layers/splash.py).
+    # Values narrower than queries are zero-padded to the query width; sinks are the kernel's own (layers/splash.py).
     Kernel(
       "splash",
       ("tpu", "cpu"),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE}),
+      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS}),
       "the splash kernel",
     ),
-    # jax's cuDNN fused attention: bf16 only, whole rows per device, no soft cap; packed rows through cuDNN's packed
-    # layout (a fixed segment count per row, Hopper or newer), narrow values zero-padded (layers/cudnn.py).
+    # jax's cuDNN fused attention: bf16 only, whole rows per device, no soft cap, no sinks; packed rows through cuDNN's
+    # packed layout (a fixed segment count per row, Hopper or newer), narrow values zero-padded (layers/cudnn.py).
     Kernel("cudnn", _GPU, frozenset({PACKED, WINDOW, NARROW_VALUES}), "cuDNN flash attention"),
   )
 }
 
 
 def needs(c: dict[str, Any], sequence_shards: int) -> dict[str, str]:
-  """{capability: the key setting that asks for it} of this config."""
+  """{capability: the key setting that asks for it} of this config: the shared keys', then what its family's own
+  keys ask (Family.attention_needs)."""
   out = {}
   if c["dataset_type"] != "synthetic" and c["max_segments_per_seq"] != 1:
     out[PACKED] = f"dataset_type={c['dataset_type']} packs documents into rows"
@@ -75,7 +77,7 @@ def needs(c: dict[str, Any], sequence_shards: int) -> dict[str, str]:
     out[FLOAT32] = "dtype=float32"
   if sequence_shards > 1:
     out[SPLIT_SEQUENCE] = f"sequence parallelism {sequence_shards}"
-  return out
+  return {**out, **families.family(c["decoder_block"]).attention_needs(c)}
 
 
 def _head_split_problem(c: dict[str, Any], head_shards: int) -> str | None:

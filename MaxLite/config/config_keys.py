@@ -1,4 +1,4 @@
-"""Generated from MaxLite/config/schema.py by `schema.write_config_keys()`: do not edit.
+"""Written from MaxLite/config/schema.py by `python -m MaxLite.config.generate`: do not edit.
 
 The type of every key a Config holds (lists arrive as tuples), so that `config.steps` is an int to an editor and
 a type checker. Declarations only: `Config.__getattr__` still serves every value. tests/test_schema.py fails
@@ -199,15 +199,30 @@ class ConfigKeys:
   eval_steps: int
 
   # PostTraining (`--describe PostTraining`)
-  use_sft: bool
-  sft_train_on_completion_only: bool
-  use_dpo: bool
-  dpo_beta: float
-  dpo_label_smoothing: float
   train_data_columns: tuple[str, ...]
   eval_data_columns: tuple[str, ...]
   use_chat_template: bool
   chat_template_path: str
+
+  # Lora (`--describe Lora`)
+  enable_lora: bool
+  lora_rank: int
+  lora_alpha: float
+  lora_module_path: str
+  lora_weight_qtype: Literal["", "nf4", "int8", "int4"]
+  lora_tile_size: int
+  lora_restore_path: str
+  hf_lora_adapter_path: str
+
+  # Sft (`--describe Sft`)
+  use_sft: bool
+  sft_train_on_completion_only: bool
+
+  # Dpo (`--describe Dpo`)
+  use_dpo: bool
+  dpo_algo: str
+  dpo_beta: float
+  dpo_label_smoothing: float
 
   # Grpo (`--describe Grpo`)
   use_grpo: bool
@@ -223,16 +238,6 @@ class ConfigKeys:
   rollout_temperature: float
   rollout_top_k: int
   rollout_top_p: float
-
-  # Lora (`--describe Lora`)
-  enable_lora: bool
-  lora_rank: int
-  lora_alpha: float
-  lora_module_path: str
-  lora_weight_qtype: Literal["", "nf4", "int8", "int4"]
-  lora_tile_size: int
-  lora_restore_path: str
-  hf_lora_adapter_path: str
 
   # Mesh (`--describe Mesh`)
   ici_ensemble_parallelism: int
@@ -307,6 +312,7 @@ class ConfigKeys:
 
   # Derived (`--describe Derived`)
   explicit_keys: tuple[str, ...]
+  objective: str
   data_kind: Literal["text", "chat", "prompt_completion", "preference", "prompts"]
   num_devices: int
   process_count: int

@@ -11,12 +11,11 @@ import math
 from typing import Any
 
 from MaxLite.cli.errors import ConfigError
+from MaxLite.config import objectives
 
 # What one program of K members cannot run yet: each of these shards or transforms the step in a way the member axis
 # has not been tested with, so it is refused up front rather than trusted.
 _UNSUPPORTED = (
-  ("use_dpo", "DPO"),
-  ("use_grpo", "GRPO"),
   ("enable_lora", "LoRA"),
   ("quantization", "quantized training"),
   ("parameter_memory_host_offload", "host offload"),
@@ -68,6 +67,11 @@ def check(c: dict[str, Any]) -> dict[str, Any]:
     )
   if size == 1:
     return {"ensemble_learning_rates": rates}
+  objective = objectives.select(c)
+  if not objective.ensembles:
+    raise ConfigError(
+      f"ensemble_size={size} with {objective.flag}=true: {objective.name.upper()} is not supported for ensembles"
+    )
   for key, what in _UNSUPPORTED:
     if c[key]:
       shown = str(c[key]).lower() if isinstance(c[key], bool) else c[key]

@@ -21,17 +21,24 @@ class HfLayout:
   architectures: the transformers classes it reads. settings(config.json dict, source name) -> MaxLite model keys
   (a config.json asking for something the family does not compute is refused by name). config(config, bos_id,
   eos_id) -> config.json. layer_tensors(config, layer) / global_tensors(config): the weights of one decoder layer and of
-  the rest, as hf_layout.Tensor."""
+  the rest, as hf_layout.Tensor. read(reader, name) -> the tensor `name` as an array, for a family whose checkpoints
+  store some tensors in another form (quantized); None = as stored (checkpoint/safetensors_io.py's reader.read)."""
 
   architectures: tuple[str, ...]
   settings: Callable[[dict[str, Any], str], dict[str, Any]]
   config: Callable[..., dict[str, Any]]
   layer_tensors: Callable[[Any, int], list[Any]]
   global_tensors: Callable[[Any], list[Any]]
+  read: Callable[[Any, str], Any] | None = None
 
 
 def _no_checks(c: Mapping[str, Any]) -> None:
   del c
+
+
+def _no_needs(c: Mapping[str, Any]) -> dict[str, str]:
+  del c
+  return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,10 @@ class Family:
   experts}: model FLOPs of one optimizer step (models/flops.py). check(config dict) raises ConfigError for
   settings the family does not compute. scale_embeddings: the embeddings are multiplied by sqrt(base_emb_dim).
   norm_scale_offset: the final norm's weight is stored minus this (layers/norms.py; Gemma: 1). stacks(config): the
-  layers as runs of one kind (DeepSeek: its first dense layers, then the MoE ones); one run by default."""
+  layers as runs of one kind (DeepSeek: its first dense layers, then the MoE ones); one run by default.
+  attention_needs(config dict) -> {capability: the key setting that asks for it}: what the family's own keys ask of
+  the attention kernel beyond what the shared keys do (config/attention_choice.py's capability sentences), so a
+  kernel that does not compute it is not chosen. mlp_activations: the values of mlp_activations it computes."""
 
   decoder_blocks: tuple[str, ...]
   layer: Any
@@ -70,6 +80,8 @@ class Family:
   scale_embeddings: bool = False
   norm_scale_offset: float = 0.0
   stacks: Callable[[Any], tuple[Stack, ...]] = one_stack
+  attention_needs: Callable[[Mapping[str, Any]], dict[str, str]] = _no_needs
+  mlp_activations: tuple[tuple[str, ...], ...] = (("silu", "linear"), ("gelu", "linear"))
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import attention_choice, families, post_training
+from MaxLite.config import attention_choice, families, objectives
 from MaxLite.config.choices import AXIS_KEY, MESH_AXES
 
 AttentionKernel = Literal["dot_product", "splash", "cudnn"]
@@ -124,7 +124,7 @@ class Derived(BaseModel):
   @cached_property
   def _schedule_steps(self) -> int:
     # A GRPO step makes num_iterations optimizer updates on its batch of completions.
-    updates = self.keys["steps"] * (self.keys["num_iterations"] if self.keys["use_grpo"] else 1)
+    updates = self.keys["steps"] * objectives.select(self.keys).updates_per_batch(self.keys)
     return updates if self.keys["learning_rate_schedule_steps"] == -1 else self.keys["learning_rate_schedule_steps"]
 
   @cached_property
@@ -168,10 +168,15 @@ class Derived(BaseModel):
   def explicit_keys(self) -> list[str]:
     return sorted(self.keys.get("explicit_keys", ()))
 
-  @computed_field(description="what a training record is, from use_sft/use_dpo/use_grpo and the data columns")
+  @computed_field(description="the training objective, from use_sft/use_dpo (dpo_algo)/use_grpo (objectives/)")
+  @cached_property
+  def objective(self) -> str:
+    return objectives.select(self.keys).name
+
+  @computed_field(description="what a training record is, from the objective and the data columns")
   @cached_property
   def data_kind(self) -> DataKind:
-    return post_training.record_kind(self.keys)
+    return objectives.select(self.keys).record_kind(self.keys)
 
   @computed_field(description="devices in the job (all slices)")
   @cached_property
@@ -296,7 +301,8 @@ class Derived(BaseModel):
   def vocab_slices(self) -> int:
     c, n, vocab = self.keys, self.keys["num_vocab_slices"], self.keys["vocab_size"]
     if n == -1:
-      if c["num_vocab_tiling"] > 1 or c["use_dpo"] or c["final_logits_soft_cap"] > 0:
+      whole = objectives.select(c).whole_logits
+      if c["num_vocab_tiling"] > 1 or whole or c["final_logits_soft_cap"] > 0:
         return 1
       float32 = c["logits_dot_in_fp32"] or c["dtype"] == "float32"
       # An ensemble's devices hold every member's logits.
@@ -317,9 +323,10 @@ class Derived(BaseModel):
       raise ConfigError(
         f"final_logits_soft_cap > 0 needs num_vocab_slices=1 or -1, got {n} (the cap is on whole logits)"
       )
-    if n > 1 and c["use_dpo"]:
+    if n > 1 and objectives.select(c).whole_logits:
+      flag = objectives.select(c).flag
       raise ConfigError(
-        f"use_dpo=true needs num_vocab_slices=1 or -1, got {n} (DPO sums log-probabilities per response)"
+        f"{flag}=true needs num_vocab_slices=1 or -1, got {n} (its loss sums log-probabilities per response)"
       )
     return n
 

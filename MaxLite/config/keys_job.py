@@ -1,7 +1,8 @@
 """The job's config keys around the training (mesh, metrics, checkpoints, compilation, plan.py, decode.py, processes).
 
-Each field is one key of configs/base.yml: its type, its default and the one-line description base.yml carries as its
-comment (tests/test_schema.py holds the two equal). `schema.py` composes these groups with the model's and the run's.
+Each field is the one declaration of a key: its type, its default and its one-line description. configs/base.yml,
+config_keys.py and the README's tables of keys are written from these fields (`python -m MaxLite.config.generate`);
+`schema.py` composes these groups with the model's and the run's.
 """
 
 from __future__ import annotations
@@ -87,7 +88,19 @@ class Mesh(BaseModel):
   )
   logical_axis_rules: list[Any] = Field(
     LOGICAL_AXIS_RULES,
-    description="[logical axis, mesh axis or list of mesh axes] pairs; the first usable rule wins",
+    description=(
+      "[logical axis, mesh axis or list of mesh axes] pairs: the model names every parameter and activation "
+      "dimension with a logical axis, and this table alone decides how they are sharded; the first rule whose mesh "
+      "axes no other dimension of the same array already uses wins (flax nn_partitioning)"
+    ),
+    # base.yml writes a note beside these rules (by logical axis).
+    json_schema_extra={
+      "row_notes": {
+        "ensemble": "an ensemble's leading member axis (ensemble_size > 1)",
+        "activation_embed": "the residual stream between tensor-parallel matmuls (MaxText's rule)",
+        "q_lora": "MLA's bottlenecks, where embed does not already take those axes",
+      }
+    },
   )
 
 

@@ -1,7 +1,15 @@
 """The model's config keys (shape, positions, precision, memory, experts), grouped by concern.
 
-Each field is one key of configs/base.yml: its type, its default and the one-line description base.yml carries as its
-comment (tests/test_schema.py holds the two equal). `schema.py` composes these groups with the run's.
+Each field is the one declaration of a key: its type, its default, its one-line description, and whether a checkpoint
+saves it. configs/base.yml, config_keys.py and the README's tables of keys are written from these fields
+(`python -m MaxLite.config.generate`); `schema.py` composes these groups with the run's.
+
+Every key here says whether a checkpoint saves it (`json_schema_extra={"saved": ...}`; tests/test_schema.py fails on
+one that does not). True for a key that changes the parameters (their shapes and layout) or the function they compute
+from the tokens: a checkpoint stores it, a run that loads the checkpoint takes it from there unless it sets the key
+itself, and a resume may not change it (`loader.MODEL_KEYS` lists these). False for a key that changes how or at what
+precision the same function is computed (dtypes, quantized matmuls, kernels, tiling, rematerialisation, token
+dropping by capacity) or only how it is trained (dropout, initialisation, auxiliary losses): a run may choose it anew.
 """
 
 from __future__ import annotations
@@ -28,41 +36,72 @@ class ModelArchitecture(BaseModel):
   model_name: str = Field(
     "default",
     description='"default" = the values below; else overlays configs/models/<model_name>.yml',
+    json_schema_extra={"saved": False},
   )
   decoder_block: str = Field(
     "llama2",
     description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3 | deepseek",
+    json_schema_extra={"saved": True},
   )
-  base_emb_dim: int = Field(256, gt=0, description="model (embedding) width")
-  base_num_query_heads: int = Field(4, gt=0, description="attention query heads")
-  base_num_kv_heads: int = Field(4, gt=0, description="key/value heads (< query heads = GQA, 1 = MQA)")
-  head_dim: int = Field(64, gt=0, description="width of one attention head")
-  base_mlp_dim: int = Field(1024, gt=0, description="SwiGLU hidden width")
-  base_num_decoder_layers: int = Field(4, gt=0, description="transformer blocks")
-  vocab_size: int = Field(8192, gt=0, description="embedding rows; must be >= the tokenizer's vocabulary")
+  base_emb_dim: int = Field(256, gt=0, description="model (embedding) width", json_schema_extra={"saved": True})
+  base_num_query_heads: int = Field(4, gt=0, description="attention query heads", json_schema_extra={"saved": True})
+  base_num_kv_heads: int = Field(
+    4, gt=0, description="key/value heads (< query heads = GQA, 1 = MQA)", json_schema_extra={"saved": True}
+  )
+  head_dim: int = Field(64, gt=0, description="width of one attention head", json_schema_extra={"saved": True})
+  base_mlp_dim: int = Field(1024, gt=0, description="SwiGLU hidden width", json_schema_extra={"saved": True})
+  base_num_decoder_layers: int = Field(4, gt=0, description="transformer blocks", json_schema_extra={"saved": True})
+  vocab_size: int = Field(
+    8192, gt=0, description="embedding rows; must be >= the tokenizer's vocabulary", json_schema_extra={"saved": True}
+  )
   mlp_activations: list[str] = Field(
     ["silu", "linear"],
     description="gated MLP act(x W_gate) * (x W_up): silu,linear (SwiGLU) | gelu,linear (GeGLU)",
+    json_schema_extra={"saved": True},
   )
-  normalization_layer_epsilon: float = Field(1e-05, gt=0, description="RMSNorm epsilon")
-  attention_bias: bool = Field(False, description="learned biases on the query, key and value projections (Qwen2.5)")
-  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head's features before RoPE (Qwen3)")
+  normalization_layer_epsilon: float = Field(
+    1e-05, gt=0, description="RMSNorm epsilon", json_schema_extra={"saved": True}
+  )
+  attention_bias: bool = Field(
+    False,
+    description="learned biases on the query, key and value projections (Qwen2.5)",
+    json_schema_extra={"saved": True},
+  )
+  use_qk_norm: bool = Field(
+    False,
+    description="RMSNorm over each query and key head's features before RoPE (Qwen3)",
+    json_schema_extra={"saved": True},
+  )
   use_iota_embed: bool = Field(
     False,
     description="the token lookup as a one-hot matmul (its gradient a matmul, not a scatter-add)",
+    json_schema_extra={"saved": False},
   )
   logits_via_embedding: bool = Field(
     False,
     description="true = tied embeddings (output head reuses the token embedding)",
+    json_schema_extra={"saved": True},
   )
   fused_qkv: bool = Field(
     False,
     description="one [embed, 3, heads, head_dim] q/k/v kernel (query heads must equal kv heads)",
+    json_schema_extra={"saved": True},
   )
-  fused_mlp: bool = Field(False, description="one [embed, 2, mlp] gate+up kernel (dense MLP only)")
-  dropout_rate: float = Field(0.0, ge=0, lt=1, description="dropout on attention output and MLP output (0 = off)")
+  fused_mlp: bool = Field(
+    False, description="one [embed, 2, mlp] gate+up kernel (dense MLP only)", json_schema_extra={"saved": True}
+  )
+  dropout_rate: float = Field(
+    0.0,
+    ge=0,
+    lt=1,
+    description="dropout on attention output and MLP output (0 = off)",
+    json_schema_extra={"saved": False},
+  )
   dense_init_scale: float = Field(
-    1.0, ge=0, description="multiplier on the default (fan-in scaled) weight initialisation"
+    1.0,
+    ge=0,
+    description="multiplier on the default (fan-in scaled) weight initialisation",
+    json_schema_extra={"saved": False},
   )
 
   @model_validator(mode="after")
@@ -80,22 +119,28 @@ class ModelArchitecture(BaseModel):
 class Rope(BaseModel):
   """Rotary position embeddings: theta and the long-context scalings (llama3.1, yarn)."""
 
-  rope_max_timescale: float = Field(10000.0, gt=0, description="RoPE theta (Llama 2: 10000, Llama 3: 500000)")
+  rope_max_timescale: float = Field(
+    10000.0, gt=0, description="RoPE theta (Llama 2: 10000, Llama 3: 500000)", json_schema_extra={"saved": True}
+  )
   rope_type: RopeType = Field(
     "default",
     description="default | llama3.1 (Llama 3.1+ frequency scaling) | yarn (YaRN); see layers/rope.py",
+    json_schema_extra={"saved": True},
   )
   rope_factor: float = Field(
     8.0,
     description="llama3.1 / yarn: how much longer the context is than original_max_position_embeddings",
+    json_schema_extra={"saved": True},
   )
   rope_low_freq_factor: float = Field(
     1.0,
     description="llama3.1: wavelengths over original / this are divided by rope_factor",
+    json_schema_extra={"saved": True},
   )
   rope_high_freq_factor: float = Field(
     4.0,
     description="llama3.1: wavelengths under original / this are kept; those between are blended",
+    json_schema_extra={"saved": True},
   )
   original_max_position_embeddings: int = Field(
     8192,
@@ -103,23 +148,35 @@ class Rope(BaseModel):
       "llama3.1 / yarn: the context length the model was first trained at (rope_factor 8 / 8192 are "
       "Llama 3.1's; MaxText's yarn defaults are 40 / 4096)"
     ),
+    json_schema_extra={"saved": True},
   )
   max_position_embeddings: int = Field(
     -1,
     description="the context length a Hugging Face export declares; -1 = from the RoPE settings",
+    json_schema_extra={"saved": True},
   )
   beta_fast: float = Field(
     32.0,
     description="yarn: pairs turning more often than this over the original context keep their frequency",
+    json_schema_extra={"saved": True},
   )
-  beta_slow: float = Field(1.0, description="yarn: pairs turning less often than this are interpolated by rope_factor")
-  rope_truncate: bool = Field(True, description="yarn: round the ramp's ends to whole pairs (transformers' default)")
+  beta_slow: float = Field(
+    1.0,
+    description="yarn: pairs turning less often than this are interpolated by rope_factor",
+    json_schema_extra={"saved": True},
+  )
+  rope_truncate: bool = Field(
+    True,
+    description="yarn: round the ramp's ends to whole pairs (transformers' default)",
+    json_schema_extra={"saved": True},
+  )
   rope_attention_factor: float = Field(
     -1.0,
     description=(
       "yarn: cos/sin times this (HF attention_factor); -1 = as transformers derives it: 1 for mla with "
       "mscale != 0 (mscale = mscale_all_dim), else 0.1 ln(rope_factor) + 1"
     ),
+    json_schema_extra={"saved": True},
   )
 
   @model_validator(mode="after")
@@ -153,36 +210,50 @@ class Gemma(BaseModel):
   sliding_window_size: int = Field(
     0,
     description="gemma3: local layers attend to the latest N tokens (every 6th layer is global)",
+    json_schema_extra={"saved": True},
   )
   local_rope_max_timescale: int = Field(
     -1,
     description="gemma3: RoPE theta of the local layers; -1 = rope_max_timescale",
+    json_schema_extra={"saved": True},
   )
   rope_linear_scaling_factor: float = Field(
     1.0,
     description="gemma3: the global layers' RoPE positions divided by this (HF rope_type linear)",
+    json_schema_extra={"saved": True},
   )
-  query_pre_attn_scalar: int = Field(0, description="q is scaled by this ** -0.5; 0 = head_dim (Gemma 3 27B: 168)")
+  query_pre_attn_scalar: int = Field(
+    0, description="q is scaled by this ** -0.5; 0 = head_dim (Gemma 3 27B: 168)", json_schema_extra={"saved": True}
+  )
   use_post_attn_norm: bool = Field(
     False,
     description="gemma3: RMSNorm on the attention block's output before the residual add",
+    json_schema_extra={"saved": True},
   )
   use_post_ffw_norm: bool = Field(
     False,
     description="gemma3: RMSNorm on the MLP block's output before the residual add",
+    json_schema_extra={"saved": True},
   )
   attn_logits_soft_cap: float = Field(
     0.0,
     description="cap * tanh(scores / cap) on the attention scores (Gemma 2); 0 = off",
+    json_schema_extra={"saved": True},
   )
-  final_logits_soft_cap: float = Field(0.0, description="the same on the output logits; 0 = off")
+  final_logits_soft_cap: float = Field(
+    0.0, description="the same on the output logits; 0 = off", json_schema_extra={"saved": True}
+  )
 
 
 class DataTypes(BaseModel):
   """Precision of activations, parameters and logits."""
 
-  dtype: Dtype = Field("float32", description="activation / compute dtype: float32 or bfloat16")
-  weight_dtype: Dtype = Field("float32", description="parameter (and optimizer state) dtype")
+  dtype: Dtype = Field(
+    "float32", description="activation / compute dtype: float32 or bfloat16", json_schema_extra={"saved": False}
+  )
+  weight_dtype: Dtype = Field(
+    "float32", description="parameter (and optimizer state) dtype", json_schema_extra={"saved": False}
+  )
   logits_dot_in_fp32: bool = Field(
     True,
     description=(
@@ -190,6 +261,7 @@ class DataTypes(BaseModel):
       "logits in `dtype`, cast to float32 by the loss (MaxText's default; memory either way depending "
       "on the config: train_compile.py says)"
     ),
+    json_schema_extra={"saved": False},
   )
 
 
@@ -201,20 +273,28 @@ class Quantization(BaseModel):
   quantization: QuantizationType = Field(
     "",
     description='"" (off) | int8 | fp8 (e4m3 both ways) | fp8_full (e4m3 forward, e5m2 gradients)',
-    json_schema_extra={"unsupported": "Qwix's quantized training; int4 and MaxText's other modes are not supported"},
+    json_schema_extra={
+      "saved": False,
+      "unsupported": "Qwix's quantized training; int4 and MaxText's other modes are not supported",
+    },
   )
   use_qwix_quantization: bool = Field(
     False,
     description="must be true with a quantization (MaxText's false means AQT, which MaxLite has not)",
+    json_schema_extra={"saved": False},
   )
   weight_quantization_calibration_method: str = Field(
     "absmax",
     description="absmax[,scale] | minmax[,scale] | rms,scale | fixed,[min,]max",
+    json_schema_extra={"saved": False},
   )
-  act_quantization_calibration_method: str = Field("absmax", description="the same for the activations")
+  act_quantization_calibration_method: str = Field(
+    "absmax", description="the same for the activations", json_schema_extra={"saved": False}
+  )
   bwd_quantization_calibration_method: str = Field(
     "absmax",
     description="the same for the gradients of the backward pass",
+    json_schema_extra={"saved": False},
   )
 
   @model_validator(mode="after")
@@ -247,24 +327,42 @@ class Remat(BaseModel):
       "save_out_proj | custom (the per-activation keys below); in pinned host memory instead of HBM: "
       "minimal_offloaded | qkv_proj_offloaded | save_dot_except_mlp_offloaded"
     ),
+    json_schema_extra={"saved": False},
   )
   decoder_layer_input: Placement = Field(
     "device",
     description="the layer's input (always kept: offload moves it to the host)",
+    json_schema_extra={"saved": False},
   )
-  query_proj: Placement = Field("remat", description="q as attention reads it (after q/k norm and RoPE)")
-  key_proj: Placement = Field("remat", description="k as attention reads it (after q/k norm and RoPE)")
-  value_proj: Placement = Field("remat", description="v as attention reads it")
-  qkv_proj: Placement = Field("remat", description="the fused q/k/v projection (fused_qkv)")
-  context: Placement = Field("remat", description="attention's output before the output projection")
-  out_proj: Placement = Field("remat", description="the attention block's result")
-  mlpwi_0: Placement = Field("remat", description="the MLP gate projection")
-  mlpwi_1: Placement = Field("remat", description="the MLP up projection")
-  mlpwi: Placement = Field("remat", description="the fused gate+up projection (fused_mlp)")
-  mlpwo: Placement = Field("remat", description="the MLP / MoE block's result")
-  moe_mlpwi_0: Placement = Field("remat", description="the per-expert gate projection (MoE)")
-  moe_mlpwi_1: Placement = Field("remat", description="the per-expert up projection (MoE)")
-  moe_mlpwo: Placement = Field("remat", description="the per-expert down projection (MoE)")
+  query_proj: Placement = Field(
+    "remat", description="q as attention reads it (after q/k norm and RoPE)", json_schema_extra={"saved": False}
+  )
+  key_proj: Placement = Field(
+    "remat", description="k as attention reads it (after q/k norm and RoPE)", json_schema_extra={"saved": False}
+  )
+  value_proj: Placement = Field("remat", description="v as attention reads it", json_schema_extra={"saved": False})
+  qkv_proj: Placement = Field(
+    "remat", description="the fused q/k/v projection (fused_qkv)", json_schema_extra={"saved": False}
+  )
+  context: Placement = Field(
+    "remat", description="attention's output before the output projection", json_schema_extra={"saved": False}
+  )
+  out_proj: Placement = Field("remat", description="the attention block's result", json_schema_extra={"saved": False})
+  mlpwi_0: Placement = Field("remat", description="the MLP gate projection", json_schema_extra={"saved": False})
+  mlpwi_1: Placement = Field("remat", description="the MLP up projection", json_schema_extra={"saved": False})
+  mlpwi: Placement = Field(
+    "remat", description="the fused gate+up projection (fused_mlp)", json_schema_extra={"saved": False}
+  )
+  mlpwo: Placement = Field("remat", description="the MLP / MoE block's result", json_schema_extra={"saved": False})
+  moe_mlpwi_0: Placement = Field(
+    "remat", description="the per-expert gate projection (MoE)", json_schema_extra={"saved": False}
+  )
+  moe_mlpwi_1: Placement = Field(
+    "remat", description="the per-expert up projection (MoE)", json_schema_extra={"saved": False}
+  )
+  moe_mlpwo: Placement = Field(
+    "remat", description="the per-expert down projection (MoE)", json_schema_extra={"saved": False}
+  )
 
 
 class SplashAttention(BaseModel):
@@ -279,40 +377,59 @@ class SplashAttention(BaseModel):
       '(MaxText\'s "flash" = splash, "cudnn_flash_jax" = cudnn); splash off TPU runs interpreted'
     ),
     json_schema_extra={
+      "saved": False,
       "unsupported": "MaxText's cudnn_flash_te (Transformer Engine), paged and vllm_rpa kernels are not in MaxLite: "
-      "cudnn is cuDNN's fused attention through jax"
+      "cudnn is cuDNN's fused attention through jax",
     },
   )
   sa_block_q: int = Field(
     512,
     description="query block of the forward pass (q blocks tile the query length per sequence shard)",
+    json_schema_extra={"saved": False},
   )
-  sa_block_kv: int = Field(512, description="key/value block of the forward pass")
+  sa_block_kv: int = Field(512, description="key/value block of the forward pass", json_schema_extra={"saved": False})
   sa_block_kv_compute: int = Field(
     512,
     description="kv sub-block per inner step of the forward pass (divides sa_block_kv)",
+    json_schema_extra={"saved": False},
   )
-  sa_block_q_dkv: int = Field(512, description="backward dk/dv kernel: query block")
-  sa_block_kv_dkv: int = Field(512, description="backward dk/dv kernel: key/value block")
-  sa_block_kv_dkv_compute: int = Field(512, description="backward dk/dv kernel: kv sub-block per inner step")
-  sa_block_q_dq: int = Field(512, description="backward dq kernel: query block (unused with the fused backward kernel)")
+  sa_block_q_dkv: int = Field(512, description="backward dk/dv kernel: query block", json_schema_extra={"saved": False})
+  sa_block_kv_dkv: int = Field(
+    512, description="backward dk/dv kernel: key/value block", json_schema_extra={"saved": False}
+  )
+  sa_block_kv_dkv_compute: int = Field(
+    512, description="backward dk/dv kernel: kv sub-block per inner step", json_schema_extra={"saved": False}
+  )
+  sa_block_q_dq: int = Field(
+    512,
+    description="backward dq kernel: query block (unused with the fused backward kernel)",
+    json_schema_extra={"saved": False},
+  )
   sa_block_kv_dq: int = Field(
     512,
     description="backward dq kernel: key/value block (unused with the fused backward kernel)",
+    json_schema_extra={"saved": False},
   )
-  sa_use_fused_bwd_kernel: bool = Field(False, description="one backward kernel for dq, dk and dv instead of two")
+  sa_use_fused_bwd_kernel: bool = Field(
+    False, description="one backward kernel for dq, dk and dv instead of two", json_schema_extra={"saved": False}
+  )
 
 
 class MemoryLayout(BaseModel):
   """Trading memory for time: layer scanning, buffer donation, chunked logits and MLPs, host offload."""
 
-  scan_layers: bool = Field(True, description="stack layers with nn.scan (fast compile); false = unrolled python loop")
+  scan_layers: bool = Field(
+    True,
+    description="stack layers with nn.scan (fast compile); false = unrolled python loop",
+    json_schema_extra={"saved": True},
+  )
   donate_params: bool = Field(
     True,
     description=(
       "true = the step overwrites the parameters in place (as MaxText does); false = a fresh buffer for "
       "the new ones (the old ones stay readable after the step)"
     ),
+    json_schema_extra={"saved": False},
   )
   num_vocab_tiling: int = Field(
     1,
@@ -321,6 +438,7 @@ class MemoryLayout(BaseModel):
       "> 1: the loss computes logits in this many chunks of tokens, so the whole [tokens, vocab] "
       "float32 logits never exist at once (same loss and gradients)"
     ),
+    json_schema_extra={"saved": False},
   )
   num_vocab_slices: int = Field(
     -1,
@@ -329,6 +447,7 @@ class MemoryLayout(BaseModel):
       "(same loss and gradients); -1 = the fewest slices (a power of 2) whose logits are at most 256 "
       "MiB per device; 1 = whole logits"
     ),
+    json_schema_extra={"saved": False},
   )
   num_mlp_chunks: int = Field(
     1,
@@ -337,33 +456,44 @@ class MemoryLayout(BaseModel):
       "alone: its backward pass holds one part's activations (same loss and gradients; weights gathered "
       "and gradients reduced once per layer, as with 1)"
     ),
+    json_schema_extra={"saved": False},
   )
   parameter_memory_host_offload: bool = Field(
     False,
     description="keep parameters in host memory between steps (moved to the device per step)",
+    json_schema_extra={"saved": False},
   )
   optimizer_memory_host_offload: bool = Field(
     False,
     description="keep optimizer state in host memory between steps (moved per step)",
+    json_schema_extra={"saved": False},
   )
 
 
 class MoEGeneral(BaseModel):
   """Sparse mixture of experts: routing, capacity and the grouped-matmul kernels."""
 
-  num_experts: int = Field(1, description="> 1 = Mixtral-style sparse MoE MLP in every layer (1 = dense SwiGLU)")
-  num_experts_per_tok: int = Field(2, description="top-k experts per token (MoE)")
-  base_moe_mlp_dim: int = Field(-1, description="hidden width of each expert's SwiGLU; -1 = base_mlp_dim")
+  num_experts: int = Field(
+    1,
+    description="> 1 = Mixtral-style sparse MoE MLP in every layer (1 = dense SwiGLU)",
+    json_schema_extra={"saved": True},
+  )
+  num_experts_per_tok: int = Field(2, description="top-k experts per token (MoE)", json_schema_extra={"saved": True})
+  base_moe_mlp_dim: int = Field(
+    -1, description="hidden width of each expert's SwiGLU; -1 = base_mlp_dim", json_schema_extra={"saved": True}
+  )
   norm_topk_prob: bool = Field(
     True,
     description=(
       "renormalise the chosen top-k router probabilities to sum to 1 (Mixtral, Qwen3-MoE); MaxText "
       "defaults to false but renormalises Mixtral anyway"
     ),
+    json_schema_extra={"saved": True},
   )
   float32_gate_logits: bool = Field(
     True,
     description="router logits computed in float32 (a bfloat16 tie would route by index); MaxText: false",
+    json_schema_extra={"saved": False},
   )
   capacity_factor: float = Field(
     -1.0,
@@ -371,6 +501,7 @@ class MoEGeneral(BaseModel):
       "<= 0 = never drop a token; else rows per expert = ceil(tokens * top_k * this / num_experts), "
       "tokens of one batch shard (sparse_matmul) or of one sequence (dispatch)"
     ),
+    json_schema_extra={"saved": False},
   )
   sparse_matmul: bool = Field(
     True,
@@ -378,6 +509,7 @@ class MoEGeneral(BaseModel):
       "MoE: sort tokens by expert and run grouped matmuls; false = one-hot dispatch over [tokens, "
       "experts, slots] (GShard), memory and FLOPs growing with the expert count"
     ),
+    json_schema_extra={"saved": False},
   )
   megablox: bool = Field(
     True,
@@ -385,6 +517,7 @@ class MoEGeneral(BaseModel):
       "sparse_matmul's grouped matmuls: jax's Pallas TPU kernel (megablox gmm), interpreted on CPU; "
       "false = jax.lax.ragged_dot (needed on GPU)"
     ),
+    json_schema_extra={"saved": False},
   )
   ragged_buffer_factor: float = Field(
     -1.0,
@@ -392,6 +525,7 @@ class MoEGeneral(BaseModel):
       "sparse_matmul with expert parallelism: rows sent to each expert shard, x its even share; <= 0 = "
       "room for every row (never drops)"
     ),
+    json_schema_extra={"saved": False},
   )
   load_balance_loss_weight: float = Field(
     0.01,
@@ -401,6 +535,7 @@ class MoEGeneral(BaseModel):
       "mean(density * router prob) per sequence, top_k when balanced; mean over layers), so the same "
       "weight as in MaxText"
     ),
+    json_schema_extra={"saved": False},
   )
 
   @model_validator(mode="after")
@@ -416,41 +551,64 @@ class DeepSeekMoE(BaseModel):
   first_num_dense_layers: int = Field(
     0,
     description="the first N layers have a dense MLP (base_mlp_dim wide), the rest MoE",
+    json_schema_extra={"saved": True},
   )
   shared_experts: int = Field(
     0,
     description="MoE: an always-on MLP of shared_experts * moe width beside the routed experts",
+    json_schema_extra={"saved": True},
   )
-  routed_score_func: str = Field("", description='router scores: "" = softmax | sigmoid (DeepSeek-V3)')
+  routed_score_func: str = Field(
+    "", description='router scores: "" = softmax | sigmoid (DeepSeek-V3)', json_schema_extra={"saved": True}
+  )
   routed_bias: bool = Field(
     False,
     description="a per-expert bias added to the scores for choosing experts only (auxiliary-loss-free)",
+    json_schema_extra={"saved": True},
   )
   routed_bias_update_rate: float = Field(
     0.0,
     description="each step the bias moves by this towards balance (+ for under-, - for over-loaded)",
+    json_schema_extra={"saved": False},
   )
-  routed_scaling_factor: float = Field(1.0, description="the chosen experts' weights are multiplied by this")
+  routed_scaling_factor: float = Field(
+    1.0, description="the chosen experts' weights are multiplied by this", json_schema_extra={"saved": True}
+  )
   n_routing_groups: int = Field(
     -1,
     description="experts in groups; a token chooses within its topk_routing_group best groups; -1 = no groups",
+    json_schema_extra={"saved": True},
   )
-  topk_routing_group: int = Field(-1, description="groups ranked by the sum of their two best (biased) scores")
+  topk_routing_group: int = Field(
+    -1, description="groups ranked by the sum of their two best (biased) scores", json_schema_extra={"saved": True}
+  )
 
 
 class MlaAttention(BaseModel):
   """Multi-head latent attention (attention_type=mla, DeepSeek)."""
 
-  attention_type: str = Field("global", description="global | mla (multi-head latent attention, DeepSeek)")
-  q_lora_rank: int = Field(0, description="mla: queries through a rank-q_lora_rank bottleneck; 0 = a full projection")
-  kv_lora_rank: int = Field(512, description="mla: keys and values from a rank-kv_lora_rank latent")
-  qk_nope_head_dim: int = Field(128, description="mla: per-head query/key features without RoPE")
+  attention_type: str = Field(
+    "global", description="global | mla (multi-head latent attention, DeepSeek)", json_schema_extra={"saved": True}
+  )
+  q_lora_rank: int = Field(
+    0,
+    description="mla: queries through a rank-q_lora_rank bottleneck; 0 = a full projection",
+    json_schema_extra={"saved": True},
+  )
+  kv_lora_rank: int = Field(
+    512, description="mla: keys and values from a rank-kv_lora_rank latent", json_schema_extra={"saved": True}
+  )
+  qk_nope_head_dim: int = Field(
+    128, description="mla: per-head query/key features without RoPE", json_schema_extra={"saved": True}
+  )
   qk_rope_head_dim: int = Field(
     64,
     description="mla: per-head query features with RoPE (one RoPE key shared by all heads)",
+    json_schema_extra={"saved": True},
   )
-  v_head_dim: int = Field(128, description="mla: per-head value features")
+  v_head_dim: int = Field(128, description="mla: per-head value features", json_schema_extra={"saved": True})
   mscale: float = Field(
     1.0,
     description="mla, yarn: softmax scale x (0.1 mscale ln(rope_factor) + 1)^2 (HF mscale_all_dim)",
+    json_schema_extra={"saved": True},
   )

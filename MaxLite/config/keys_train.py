@@ -1,12 +1,12 @@
 """The training run's config keys (steps, optimizer, ensembles, data, post-training, GRPO, LoRA), grouped by concern.
 
-Each field is one key of configs/base.yml: its type, its default and the one-line description base.yml carries as its
-comment (tests/test_schema.py holds the two equal). `schema.py` composes these groups with the model's and the job's.
+Each field is the one declaration of a key: its type, its default and its one-line description. configs/base.yml,
+config_keys.py and the README's tables of keys are written from these fields (`python -m MaxLite.config.generate`);
+`schema.py` composes these groups with the model's and the job's.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Literal
 
@@ -21,8 +21,6 @@ SyntheticTokens = Literal[choices.SYNTHETIC_TOKENS]
 FileType = Literal[choices.FILE_TYPES]
 LoraWeightQtype = Literal[choices.LORA_WEIGHT_QTYPES]
 EnsembleData = Literal[choices.ENSEMBLE_DATA]
-LossAlgo = Literal[choices.GRPO_LOSS_ALGOS]
-LossAggMode = Literal[choices.GRPO_LOSS_AGG_MODES]
 TokenizerType = Literal[choices.TOKENIZER_TYPES]
 
 
@@ -205,25 +203,8 @@ class Dataset(BaseModel):
 
 
 class PostTraining(BaseModel):
-  """Supervised fine-tuning and DPO (MaxText's keys)."""
+  """The records post-training reads (MaxText's keys); each objective's own keys are in MaxLite/objectives/."""
 
-  use_sft: bool = Field(
-    False,
-    description="supervised fine-tuning on chats or prompt/completion records (train_data_columns)",
-  )
-  sft_train_on_completion_only: bool = Field(
-    False,
-    description="SFT: the loss covers only the assistant's tokens (the prompt is still attended to)",
-  )
-  use_dpo: bool = Field(
-    False,
-    description="DPO on preference pairs; the reference model is load_parameters_path, kept frozen",
-  )
-  dpo_beta: float = Field(0.1, description="DPO: how strongly the policy is held to the reference")
-  dpo_label_smoothing: float = Field(
-    0.0,
-    description="DPO: the chance a pair's label is wrong (conservative DPO), in [0, 0.5)",
-  )
   train_data_columns: list[str] = Field(
     [],
     description=(
@@ -240,79 +221,6 @@ class PostTraining(BaseModel):
     "",
     description='a .jinja file or a tokenizer_config-style .json with "chat_template"; "" = the tokenizer\'s',
   )
-
-
-class Grpo(BaseModel):
-  """GRPO: reinforcement learning from rewards on sampled completions (MaxText's rl keys; TRL's math). In a YAML file
-  they may also sit under `rl:` and on the command line be written rl.KEY=VALUE, as MaxText's post_train/rl.yml does."""
-
-  use_grpo: bool = Field(
-    False,
-    description="GRPO on prompts (train_data_columns: the prompt first; the rest go to the reward functions)",
-  )
-  num_generations: int = Field(2, description="GRPO: completions sampled per prompt (G), >= 2; the batch holds them")
-  num_iterations: int = Field(1, description="GRPO: updates per batch of completions (mu), >= 1")
-  grpo_beta: float = Field(0.08, description="GRPO: weight of the KL penalty to the reference; 0 = no reference")
-  grpo_epsilon: float = Field(0.2, description="GRPO: clip range of the probability ratio, below 1")
-  epsilon_high: float = Field(-1.0, description="GRPO: clip range above 1 (DAPO's clip-higher); -1 = grpo_epsilon")
-  loss_algo: LossAlgo = Field("grpo", description="grpo (token ratios) | gspo-token (the sequence's ratio per token)")
-  loss_agg_mode: LossAggMode = Field(
-    "sequence-mean-token-mean",
-    description="sequence-mean-token-mean | token-mean | sequence-mean: how token losses make the batch's loss",
-  )
-  reward_functions: list[str] = Field(
-    ["MaxLite.data.arithmetic:exact_match", "MaxLite.data.arithmetic:format_reward"],
-    description="GRPO: module:function or file.py:function, each f(prompts, completions, **columns) -> scores",
-  )
-  reward_weights: list[float] = Field([], description="GRPO: one weight per reward function; [] = 1.0 each")
-  # The rollouts' sampling, TRL's GRPOConfig temperature/top_k/top_p with its defaults. decode.py's decode_sampling_*
-  # keys (MaxText's rl.yml sets those for its rollouts) are refused with use_grpo: their defaults truncate.
-  rollout_temperature: float = Field(
-    1.0, description="GRPO: rollout sampling temperature, > 0; the loss scores the same tempered distribution"
-  )
-  rollout_top_k: int = Field(0, description="GRPO: sample among the k most likely tokens; 0 = every token (TRL's)")
-  rollout_top_p: float = Field(
-    1.0, description="GRPO: sample among the most likely tokens whose mass reaches p, in (0, 1]; 1 = every token"
-  )
-
-  @model_validator(mode="after")
-  def _in_range(self) -> Grpo:
-    """Refused at load: each would fail only after the model is built, or silently learn nothing (one generation
-    has no group to be relative to)."""
-    if self.num_generations < 2:
-      raise ConfigError(
-        f"num_generations must be at least 2 (advantages are relative to the other completions of the same "
-        f"prompt), got {self.num_generations}"
-      )
-    if self.num_iterations < 1:
-      raise ConfigError(f"num_iterations must be at least 1, got {self.num_iterations}")
-    if not self.grpo_beta >= 0.0:
-      raise ConfigError(f"grpo_beta must be >= 0, got {self.grpo_beta}")
-    if not 0.0 < self.grpo_epsilon < 1.0:
-      raise ConfigError(f"grpo_epsilon must be in (0, 1), got {self.grpo_epsilon}")
-    if not (self.epsilon_high == -1.0 or 0.0 < self.epsilon_high < math.inf):
-      raise ConfigError(f"epsilon_high must be positive, or -1 for grpo_epsilon, got {self.epsilon_high}")
-    # 0 would divide the logits by zero and a negative one favour the least likely tokens (NaN fails too).
-    if not 0.0 < self.rollout_temperature < math.inf:
-      raise ConfigError(
-        f"rollout_temperature must be in (0, inf) (GRPO samples its completions at it), got {self.rollout_temperature}"
-      )
-    if self.rollout_top_k < 0:
-      raise ConfigError(
-        f"rollout_top_k must be >= 0 (0 = every token, else the k most likely), got {self.rollout_top_k}"
-      )
-    if not 0.0 < self.rollout_top_p <= 1.0:
-      raise ConfigError(
-        f"rollout_top_p must be in (0, 1] (probability mass kept; 1 = every token), got {self.rollout_top_p}"
-      )
-    if self.reward_weights and len(self.reward_weights) != len(self.reward_functions):
-      raise ConfigError(
-        f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_functions)} reward_functions; "
-        "give one per function, or [] for 1.0 each"
-      )
-    if self.use_grpo and not self.reward_functions:
-      raise ConfigError("use_grpo=true needs reward_functions (module:function entries)")
-    return self
 
 
 class Lora(BaseModel):

@@ -2,9 +2,10 @@
 
 Order of precedence (later wins): the `base_config:` chain, the YAML named on the command line,
 `configs/models/<model_name>.yml`, then command-line overrides. Every key must be defined in the schema
-(`schema.py`, which configs/base.yml mirrors), which also gives its default and type. Derived values (mesh shape,
-global batch, run directories, parameter count) are `keys_derived.Derived`'s computed fields, added by
-`validation.py` after its checks, so the rest of MaxLite reads a single object and never recomputes them.
+(`schema.py`, from which configs/base.yml is written), which also gives its default and type and types every value.
+Derived values (mesh shape, global batch, run directories, parameter count) are `keys_derived.Derived`'s computed
+fields, added by `validation.py` after its checks, so the rest of MaxLite reads a single object and never recomputes
+them.
 """
 
 from __future__ import annotations
@@ -110,53 +111,6 @@ def _unknown_key_error(key: str, source: str, known: Sequence[str]) -> ConfigErr
   return ConfigError(f"unknown config key {key!r} ({source}){hint}")
 
 
-def _type_name(value: Any) -> str:
-  return {bool: "bool", int: "int", float: "float", str: "string", list: "list"}.get(type(value), type(value).__name__)
-
-
-def coerce(key: str, value: Any, default: Any, source: str) -> Any:
-  """Return `value` as the schema types `key` (or, for a name the schema lacks, as the type of `default`), or raise a
-  ConfigError naming the key."""
-  if key in schema.FIELDS:
-    return schema.coerce(key, value, source)
-  if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
-    for parse in (int, float):  # YAML 1.1 reads "1e-4" as a string; Python does not
-      try:
-        value = parse(value)
-        break
-      except ValueError:
-        pass
-  if isinstance(value, str) and not isinstance(default, str):
-    try:
-      value = yaml.safe_load(value) if value.strip() else value
-    except yaml.YAMLError:
-      pass
-  bad = ConfigError(f"config key {key!r} ({source}) expects {_type_name(default)}, got {value!r}")
-  if isinstance(default, bool):
-    if isinstance(value, bool):
-      return value
-    raise bad
-  if isinstance(default, int):
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-    if isinstance(value, float) and value.is_integer():
-      return int(value)
-    raise bad
-  if isinstance(default, float):
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    raise bad
-  if isinstance(default, str):
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-      return str(value)
-    raise bad
-  if isinstance(default, list):
-    if isinstance(value, (list, tuple)):
-      return list(value)
-    raise bad
-  return value
-
-
 def _merge(
   config: dict[str, Any], updates: Mapping[str, Any], source: str, defaults: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -165,14 +119,14 @@ def _merge(
   for key, value in updates.items():
     if key not in defaults:
       raise _unknown_key_error(key, source, list(defaults))
-    config[key] = typed[key] = coerce(key, value, defaults[key], source)
+    config[key] = typed[key] = schema.coerce(key, value, source)
   return typed
 
 
 def _canonical(updates: Mapping[str, Any], source: str) -> dict[str, Any]:
   """Old MaxLite key names -> MaxText's, with a one-line deprecation warning each; MaxText's `rl:` group flattened."""
   out = {}
-  for key, value in maxtext_compat.flatten_rl(dict(updates), source).items():
+  for key, value in maxtext_compat.flatten_nested(dict(updates), source).items():
     new = maxtext_compat.RENAMED.get(key)
     if new is not None:
       print(
@@ -226,7 +180,7 @@ def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
   from_file = _canonical(_read_with_inheritance(config_path), f"from {config_path}")
   typed_from_file = _merge(config, from_file, f"from {config_path}", defaults)
 
-  model_name = coerce("model_name", overrides.get("model_name", config["model_name"]), "", "model_name")
+  model_name = schema.coerce("model_name", overrides.get("model_name", config["model_name"]), "model_name")
   if model_name != "default":
     model_path = os.path.join(MODELS_DIR, f"{model_name}.yml")
     if not os.path.isfile(model_path):
@@ -249,70 +203,17 @@ def load_raw(argv: Sequence[str], *, resuming: bool = False) -> dict[str, Any]:
     if step != config[key]:
       logging.info("%s=%s: its newest complete step, %s", key, config[key], step)
       config[key] = step
-  _take_model_from_checkpoint(config, explicit, defaults, _resumed_step(config) if resuming else None)
+  _take_model_from_checkpoint(config, explicit, _resumed_step(config) if resuming else None)
   # A default that follows something else (add_bos follows whether the tokenizer has a BOS) warns only about a value
   # somebody chose, so the Config says which keys those are.
   config["explicit_keys"] = sorted(explicit)
   return config
 
 
-# The keys that define the network's shapes, math and parameter layout: a checkpoint carries them,
-# so loading one needs no model arguments.
-MODEL_KEYS = (
-  "decoder_block",
-  "base_emb_dim",
-  "base_num_query_heads",
-  "base_num_kv_heads",
-  "head_dim",
-  "base_mlp_dim",
-  "base_num_decoder_layers",
-  "vocab_size",
-  "mlp_activations",
-  "normalization_layer_epsilon",
-  "rope_max_timescale",
-  "rope_type",
-  "rope_factor",
-  "rope_low_freq_factor",
-  "rope_high_freq_factor",
-  "original_max_position_embeddings",
-  "max_position_embeddings",
-  "beta_fast",
-  "beta_slow",
-  "rope_truncate",
-  "rope_attention_factor",
-  "attention_bias",
-  "use_qk_norm",
-  "logits_via_embedding",
-  "sliding_window_size",
-  "local_rope_max_timescale",
-  "rope_linear_scaling_factor",
-  "query_pre_attn_scalar",
-  "use_post_attn_norm",
-  "use_post_ffw_norm",
-  "attn_logits_soft_cap",
-  "final_logits_soft_cap",
-  "first_num_dense_layers",
-  "shared_experts",
-  "routed_score_func",
-  "routed_bias",
-  "routed_scaling_factor",
-  "n_routing_groups",
-  "topk_routing_group",
-  "attention_type",
-  "q_lora_rank",
-  "kv_lora_rank",
-  "qk_nope_head_dim",
-  "qk_rope_head_dim",
-  "v_head_dim",
-  "mscale",
-  "num_experts",
-  "num_experts_per_tok",
-  "base_moe_mlp_dim",
-  "norm_topk_prob",
-  "fused_qkv",
-  "fused_mlp",
-  "scan_layers",
-)
+# The keys that define the network's shapes, math and parameter layout: a checkpoint carries them, so loading one
+# needs no model arguments. Each is its Field's `saved` marker (keys_model.py says which keys carry one), never a list
+# kept by hand: a key left out here would be silently absent from a converted checkpoint's config.
+MODEL_KEYS: tuple[str, ...] = schema.SAVED_KEYS
 
 
 def checkpoint_model_settings(path: str) -> dict[str, Any] | None:
@@ -349,7 +250,6 @@ def _resumed_step(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | Non
 def _take_model_from_checkpoint(
   config: dict[str, Any],
   explicit: Mapping[str, str],
-  defaults: Mapping[str, Any],
   resumed: tuple[str, dict[str, Any]] | None,
 ) -> None:
   """Model keys nobody set explicitly come from the checkpoint being resumed (`resumed`) or loaded. Explicit ones
@@ -366,7 +266,7 @@ def _take_model_from_checkpoint(
   for key in ("model_name", *MODEL_KEYS):
     if key not in stored:  # converted checkpoints name no model_name; older ones may lack newer keys
       continue
-    saved = coerce(key, stored[key], defaults[key], f"from the checkpoint {path}")
+    saved = schema.coerce(key, stored[key], f"from the checkpoint {path}")
     if key not in explicit:
       if config[key] != saved:
         taken.append(f"{key}={saved}")

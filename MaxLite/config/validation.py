@@ -17,7 +17,7 @@ from typing import Any
 
 from MaxLite import storage
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import ensembles, families, post_training, schema
+from MaxLite.config import ensembles, families, objectives, schema
 from MaxLite.config.choices import LORA_DEFAULT_MODULES, MESH_AXES
 from MaxLite.config.keys_derived import Derived, Devices, moe_mlp_dim
 
@@ -29,10 +29,11 @@ def _check_choices(c: dict[str, Any]) -> None:
   for key, choices in closed.items():
     if c[key] not in choices:
       raise schema.not_one_of(key, c[key], choices)
-  if list(c["mlp_activations"]) not in (["silu", "linear"], ["gelu", "linear"]):
+  computed = families.family(c["decoder_block"]).mlp_activations  # the family's gated units
+  if tuple(c["mlp_activations"]) not in computed:
     raise ConfigError(
-      f"mlp_activations={c['mlp_activations']} is not supported; use ['silu', 'linear'] (SwiGLU) or "
-      "['gelu', 'linear'] (GeGLU)"
+      f"mlp_activations={c['mlp_activations']} is not supported by decoder_block={c['decoder_block']}; use "
+      + " or ".join(str(list(pair)) for pair in computed)
     )
   for rule in c["logical_axis_rules"]:
     if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
@@ -110,13 +111,12 @@ def _check_qlora_tiles(c: dict[str, Any]) -> None:
       )
 
 
-def _check_segments(c: dict[str, Any]) -> None:
-  segments = c["max_segments_per_seq"]
-  if segments == 0 or segments < -1 or (c["use_dpo"] and segments == 1):
-    least = 2 if c["use_dpo"] else 1
+def _check_segments(c: dict[str, Any], objective: objectives.Objective) -> None:
+  segments, least = c["max_segments_per_seq"], objective.min_segments
+  if segments == 0 or segments < -1 or 0 < segments < least:
     raise ConfigError(
       f"max_segments_per_seq={segments} must be -1 (no cap) or >= {least}"
-      + (" (a DPO pair is two documents in one row)" if c["use_dpo"] else "")
+      + (f" ({objective.name} packs the {least} documents of a pair in one row)" if least > 1 else "")
     )
 
 
@@ -192,21 +192,6 @@ def _check_emergency_checkpoints(c: dict[str, Any], mesh: dict[str, int]) -> Non
     )
 
 
-def _check_grpo_batch(c: dict[str, Any], mesh: dict[str, int], global_batch: int) -> None:
-  """A GRPO batch is whole groups of num_generations completions, sampled on the training mesh (no pipeline)."""
-  if not c["use_grpo"]:
-    return
-  if global_batch % c["num_generations"]:
-    raise ConfigError(
-      f"use_grpo=true: the global batch of {global_batch} completions (per_device_batch_size x devices x "
-      f"gradient_accumulation_steps) is not a multiple of num_generations={c['num_generations']}"
-    )
-  if mesh["stage"] > 1:
-    raise ConfigError(
-      "use_grpo=true samples with the KV-cache decoder, which does not pipeline: set ici/dcn_pipeline_parallelism=1"
-    )
-
-
 def _devices(
   num_devices: int | None, num_slices: int | None, process_count: int | None, platform: str | None
 ) -> Devices:
@@ -249,8 +234,9 @@ def validate_and_derive(
   # model validator, beside its keys).
   schema.check_cross_keys(c)
   _check_lora_with_others(c)
-  c.update(post_training.derive(c))
-  _check_segments(c)
+  objective = objectives.select(c)
+  c.update(objective.derive(c))
+  _check_segments(c, objective)
   _check_model_features(c)
   _check_qlora_tiles(c)
   c.update(ensembles.check(c))
@@ -259,6 +245,6 @@ def validate_and_derive(
   _check_model_vs_mesh(c, mesh)
   _check_emergency_checkpoints(c, mesh)
   ensembles.check_mesh(c, mesh)
-  _check_grpo_batch(c, mesh, derived.global_batch_size_to_train_on)
+  objective.check_mesh(c, mesh, derived.global_batch_size_to_train_on)
   _check_vocab_tiling(c, derived.sequence_shards)
   return c | derived.resolved_keys() | derived.model_dump()

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from MaxLite.cli.errors import ConfigError
-from MaxLite.config import Config
+from MaxLite.config import Config, objectives
 from MaxLite.config.post_training import data_kind
 from MaxLite.data import BATCH_KEYS
 from MaxLite.data.grain_pipeline import Records, make_grain_iterator
@@ -108,7 +108,7 @@ def _local_iterator(config: Config, split: str, sharding: NamedSharding, global_
   columns = config.train_data_columns if split == "train" else config.eval_data_columns or config.train_data_columns
   columns = columns or (config.grain_text_column,)
   records = None
-  if config.use_sft or config.use_dpo:
+  if objectives.of(config).reads_records:
     records = Records(
       data_kind(columns),
       columns,

@@ -14,7 +14,7 @@ all of itself, as it does in transformers (one longer than a row keeps its first
                      the response; the prompt is shared and never counts.
 
 A response with no token left (an empty completion) is kept: it trains nothing, and a DPO pair without a response
-token on both sides is left out of the loss (training/dpo.py).
+token on both sides is left out of the loss (objectives/dpo.py).
 """
 
 from __future__ import annotations

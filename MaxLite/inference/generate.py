@@ -23,6 +23,7 @@ from MaxLite import storage
 from MaxLite.checkpoint import lora_steps, run_tokenizer
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli.errors import ConfigError
+from MaxLite.config import objectives
 from MaxLite.data.chat import ChatTemplate
 from MaxLite.data.tokenizer import continuation_text, load_tokenizer
 from MaxLite.models import build, sampling
@@ -209,15 +210,15 @@ def run(argv: Sequence[str]) -> list[str]:
   texts = raw["prompt"].split(PROMPT_SEPARATOR)
   # The batch is the prompts; the mesh splits it like a training batch.
   raw["per_device_batch_size"] = len(texts) / jax.device_count()
-  # A chat template renders the prompts here. Without use_sft/use_dpo the config refuses it (it is about training
-  # data there), so it is taken out of the config; with them (a fine-tuning command reused) the config keeps it.
+  # A chat template renders the prompts here. An objective that reads plain text refuses it (it is about training
+  # data there), so it is taken out of the config; one that reads records (a fine-tuning command reused) keeps it.
   chat = raw["use_chat_template"]
   if chat and raw["tokenizer_type"] != "huggingface":
     raise ConfigError(
       f"use_chat_template=true needs tokenizer_type=huggingface (a tokenizer.json directory with its chat template), "
       f"got {raw['tokenizer_type']!r}"
     )
-  if not (raw["use_sft"] or raw["use_dpo"]):
+  if not objectives.select(raw).reads_records:
     raw["use_chat_template"] = False
   config = config_lib.build(raw)
   if config.num_pipeline_stages > 1:

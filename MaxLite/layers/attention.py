@@ -8,6 +8,7 @@ is declared in config/attention_choice.py, which checks the chosen one against t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -45,15 +46,39 @@ def soft_cap(scores: jax.Array, cap: float) -> jax.Array:
   return scores if cap <= 0 else jnp.tanh(scores / cap) * cap
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cap: float = 0.0) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class AttentionFeatures:
+  """What a family's attention adds to grouped-query attention. The family decides them from its own keys, so this
+  layer reads none of them. sinks: a learned logit per query head that joins each softmax's denominator (a query may
+  give its keys less than all of its weight); out_bias: a learned bias on the output projection."""
+
+  sinks: bool = False
+  out_bias: bool = False
+
+
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+  """Softmax over the last axis of float32 scores [b, kv_heads, groups, q, k]; sinks [heads] (heads = kv_heads *
+  groups), if given, each one more logit in its head's denominator, whose weight is dropped."""
+  if sinks is None:
+    return jax.nn.softmax(scores, axis=-1)
+  kv_heads, groups = scores.shape[1], scores.shape[2]
+  sink = sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1)
+  top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+  weights = jnp.exp(scores - top)
+  return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top))
+
+
+def dot_product_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cap: float = 0.0, sinks: jax.Array | None = None
+) -> jax.Array:
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; heads = kv_heads * groups. Softmax in float32, after the
-  scores' soft cap (cap > 0)."""
+  scores' soft cap (cap > 0), with the sinks [heads] in its denominators (softmax_with_sinks)."""
   b, s, heads, d = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, s, kv_heads, heads // kv_heads, d)
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(mask, soft_cap(scores, cap), _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  probs = softmax_with_sinks(scores, sinks).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
   return out.reshape(b, s, heads, v.shape[-1])  # MLA's values may be narrower than its queries
 
@@ -81,6 +106,7 @@ class AttentionCore(nn.Module):
 
   config: Config
   decode: bool = False
+  features: AttentionFeatures = AttentionFeatures()
 
   def _attend_and_project(
     self,
@@ -96,18 +122,25 @@ class AttentionCore(nn.Module):
     cfg = self.config
     window = cfg.sliding_window_size if sliding is not None else 0
     cap = cfg.attn_logits_soft_cap
+    sinks = None
+    if self.features.sinks:  # one logit per query head (replicated: [heads] numbers)
+      init = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
+      sinks = self.param("sinks", init, (q.shape[2],), dtype_of(cfg.weight_dtype))
     if self.decode:
       k, v, mask = self._update_cache(k, v, positions, segment_ids, window, sliding)
-      out = dot_product_attention(q, k, v, mask, cap)
+      out = dot_product_attention(q, k, v, mask, cap, sinks)
     elif cfg.attention_kernel == "splash":
-      attend = lambda w: splash_attention(q, k, v, segment_ids, cfg, cfg.attention_interpret, window=w, cap=cap)
+      interpret = cfg.attention_interpret
+      attend = lambda w: splash_attention(q, k, v, segment_ids, cfg, interpret, window=w, cap=cap, sinks=sinks)
       # Both kernels are compiled; the layer runs one (nn.scan traces a single layer for local and global ones).
       out = jax.lax.cond(sliding, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     elif cfg.attention_kernel == "cudnn":
+      # config/attention_choice.py gives a config with sinks another kernel (cuDNN's declares none).
+      assert sinks is None, "the cudnn kernel computes no attention sinks"
       attend = lambda w: cudnn_attention(q, k, v, segment_ids, cfg.attention_segments, window=w)
       out = jax.lax.cond(sliding, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     else:
-      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, sliding), cap)
+      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, sliding), cap, sinks)
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
     out = checkpoint_name(out, "context")
     out = DenseGeneral(
@@ -117,6 +150,7 @@ class AttentionCore(nn.Module):
       dtype=dtype_of(cfg.dtype),
       weight_dtype=dtype_of(cfg.weight_dtype),
       init_scale=cfg.dense_init_scale,
+      use_bias=self.features.out_bias,
       name="out",
       **quantized_base(cfg),
     )(out)

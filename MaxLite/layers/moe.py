@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -18,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
 from MaxLite.layers.linears import DenseGeneral, cast_weight
-from MaxLite.layers.moe_sparse import GroupedMatmul, sparse_experts
+from MaxLite.layers.moe_sparse import GroupedMatmul, silu_gated, sparse_experts
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
@@ -138,14 +139,32 @@ def route(
   return dispatch, combine, {**stats, "dropped": stats["routed"] - jnp.sum(kept)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertFeatures:
+  """What a family's experts compute, which the family decides from its own keys (this layer reads none of them).
+
+  router_bias: a learned bias on the router logits, trained by its gradient as any weight. choice_bias: a bias added
+  to the scores for choosing experts only, moved by train_step instead (routed_bias, routed_bias_update_rate).
+  expert_bias: a learned bias on each expert's gate, up and down projections. gated(gate, up) -> hidden: the experts'
+  gated unit."""
+
+  router_bias: bool = False
+  choice_bias: bool = False
+  expert_bias: bool = False
+  gated: Callable[[jax.Array, jax.Array], jax.Array] = silu_gated
+
+
 class MoeBlock(nn.Module):
-  """x [b, s, embed], token_mask [b, s] -> (y [b, s, embed], routing sums; see route)."""
+  """x [b, s, embed], token_mask [b, s] -> (y [b, s, embed], routing sums; see route). features: the family's
+  (ExpertFeatures); None = SwiGLU experts with the config's routed_bias as a choice-only bias."""
 
   config: Config
+  features: ExpertFeatures | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, dict]:
     cfg = self.config
+    features = self.features or ExpertFeatures(choice_bias=cfg.routed_bias)
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
     n, emb, mlp = cfg.num_experts, cfg.base_emb_dim, cfg.moe_mlp_dim
     # float32_gate_logits: in bfloat16, logits closer than the type's spacing (2^-7 at 1) round to a tie that top_k
@@ -153,13 +172,19 @@ class MoeBlock(nn.Module):
     # router, which casts both operands to float32.
     gate_dtype = jnp.float32 if cfg.float32_gate_logits else dtype
     router_logits = DenseGeneral(
-      n, ("embed", None), dtype=gate_dtype, weight_dtype=wdtype, init_scale=cfg.dense_init_scale, name="gate"
+      n,
+      ("embed", None),
+      dtype=gate_dtype,
+      weight_dtype=wdtype,
+      init_scale=cfg.dense_init_scale,
+      use_bias=features.router_bias,
+      name="gate",
     )(x)
     routing = Routing(
       score_func=cfg.routed_score_func or "softmax",
       # Its gradient is zero (it only decides top_k); train_step moves it by routed_bias_update_rate instead.
       bias=self.param("score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (n,))
-      if cfg.routed_bias
+      if features.choice_bias
       else None,
       groups=cfg.n_routing_groups,
       top_groups=cfg.topk_routing_group,
@@ -175,6 +200,12 @@ class MoeBlock(nn.Module):
     wi_0 = kernel("wi_0", (n, emb, mlp), ("exp", "embed", "mlp"))
     wi_1 = kernel("wi_1", (n, emb, mlp), ("exp", "embed", "mlp"))
     wo = kernel("wo", (n, mlp, emb), ("exp", "mlp", "embed"))
+    biases = None
+    if features.expert_bias:  # MaxText's names and axes (mlp_bias)
+      bias = lambda name, width, axis: cast_weight(
+        self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, ("exp", axis)), (n, width), wdtype), dtype
+      )
+      biases = (bias("wi_0_bias", mlp, "mlp"), bias("wi_1_bias", mlp, "mlp"), bias("wo_bias", emb, "embed"))
     mask = token_mask.astype(jnp.float32)
     if cfg.sparse_matmul:
       weights, experts, _, aux = choose_experts(
@@ -191,6 +222,8 @@ class MoeBlock(nn.Module):
         cfg.capacity_factor,
         cfg.ragged_buffer_factor,
         GroupedMatmul(cfg.megablox, cfg.megablox_interpret),
+        biases,
+        features.gated,
       )
       y = nn.with_logical_constraint(y, EMBED_ACTIVATION)
       return checkpoint_name(y, "mlpwo"), {**aux, "dropped": dropped}
@@ -199,11 +232,17 @@ class MoeBlock(nn.Module):
 
     tokens = jnp.einsum("bsec,bsd->ebcd", dispatch.astype(dtype), x.astype(dtype))
     tokens = nn.with_logical_constraint(tokens, EXPERT_ACTIVATION)
-    gate = nn.with_logical_constraint(jnp.einsum("ebcd,edm->ebcm", tokens, wi_0), EXPERT_HIDDEN)
-    up = nn.with_logical_constraint(jnp.einsum("ebcd,edm->ebcm", tokens, wi_1), EXPERT_HIDDEN)
-    gate, up = checkpoint_name(gate, "moe_mlpwi_0"), checkpoint_name(up, "moe_mlpwi_1")
-    hidden = nn.with_logical_constraint(nn.silu(gate) * up, EXPERT_HIDDEN)
-    out = nn.with_logical_constraint(jnp.einsum("ebcm,emd->ebcd", hidden, wo), EXPERT_ACTIVATION)
+    gate = jnp.einsum("ebcd,edm->ebcm", tokens, wi_0)
+    up = jnp.einsum("ebcd,edm->ebcm", tokens, wi_1)
+    if biases is not None:  # empty slots get them too, and a combine weight of 0
+      gate, up = gate + biases[0][:, None, None, :], up + biases[1][:, None, None, :]
+    gate = checkpoint_name(nn.with_logical_constraint(gate, EXPERT_HIDDEN), "moe_mlpwi_0")
+    up = checkpoint_name(nn.with_logical_constraint(up, EXPERT_HIDDEN), "moe_mlpwi_1")
+    hidden = nn.with_logical_constraint(features.gated(gate, up), EXPERT_HIDDEN)
+    out = jnp.einsum("ebcm,emd->ebcd", hidden, wo)
+    if biases is not None:
+      out = out + biases[2][:, None, None, :]
+    out = nn.with_logical_constraint(out, EXPERT_ACTIVATION)
     y = jnp.einsum("ebcd,bsec->bsd", checkpoint_name(out, "moe_mlpwo"), combine.astype(dtype))
     y = nn.with_logical_constraint(y, EMBED_ACTIVATION)
     return checkpoint_name(y, "mlpwo"), aux

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -102,21 +103,43 @@ class GroupedMatmul:
     return jnp.where(valid, out, 0)[:m]
 
 
+def silu_gated(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """SwiGLU's gated unit: silu(gate) * up."""
+  return jax.nn.silu(gate) * up
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """What each expert computes of its rows: `gated(gate, up)` between the projections, and whether the weights come
+  with biases (weights then holds wi_0, wi_1, wo and their biases [experts, mlp], [experts, mlp], [experts, embed])."""
+
+  gated: Callable[[jax.Array, jax.Array], jax.Array] = silu_gated
+  biased: bool = False
+
+
 def _swiglu(
   rows: jax.Array,
   sizes: jax.Array,
-  wi_0: jax.Array,
-  wi_1: jax.Array,
-  wo: jax.Array,
+  ids: jax.Array,
+  weights: tuple[jax.Array, ...],
+  unit: Unit,
   tensor_axes: tuple[str, ...],
   matmul: GroupedMatmul,
 ) -> jax.Array:
-  """Rows grouped by expert (group sizes `sizes`) through their expert's SwiGLU; rows past the groups give 0."""
-  gate = checkpoint_name(matmul(rows, wi_0, sizes), "moe_mlpwi_0")
-  up = checkpoint_name(matmul(rows, wi_1, sizes), "moe_mlpwi_1")
-  out = matmul(jax.nn.silu(gate) * up, wo, sizes, jnp.float32)
+  """Rows grouped by expert (group sizes `sizes`, expert `ids`, num_experts past the groups) through their expert's
+  gated unit; rows past the groups give 0."""
+  wi_0, wi_1, wo = weights[:3]
+  gate, up = matmul(rows, wi_0, sizes), matmul(rows, wi_1, sizes)
+  grouped = (ids < wi_0.shape[0])[:, None]
+  expert = jnp.minimum(ids, wi_0.shape[0] - 1)
+  if unit.biased:
+    gate, up = gate + weights[3][expert], up + weights[4][expert]
+  gate, up = checkpoint_name(gate, "moe_mlpwi_0"), checkpoint_name(up, "moe_mlpwi_1")
+  out = matmul(unit.gated(gate, up).astype(rows.dtype), wo, sizes, jnp.float32)
   if tensor_axes:  # each tensor shard holds a slice of mlp: the down projection's partial sums add up
     out = jax.lax.psum(out, tensor_axes)
+  if unit.biased:  # once, after the sum over tensor shards
+    out = out + jnp.where(grouped, weights[5][expert].astype(jnp.float32), 0.0)
   return checkpoint_name(out.astype(rows.dtype), "moe_mlpwo")
 
 
@@ -130,6 +153,7 @@ def _on_expert_shards(
   peers: int,
   slots: int,
   matmul: GroupedMatmul,
+  unit: Unit,
 ) -> tuple[jax.Array, jax.Array]:
   """Expert parallelism: rows sorted by global expert go to the shard that holds their expert (all_to_all into
   a buffer of `slots` rows per peer), through its experts, and back. (out rows, rows that did not fit)."""
@@ -148,8 +172,8 @@ def _on_expert_shards(
   )
   got = jax.lax.all_to_all(send, expert_axes, 0, 0).reshape(peers * slots, d)
   got_ids = jax.lax.all_to_all(ids, expert_axes, 0, 0).reshape(peers * slots)
-  order, _, local_sizes = _sort_by_expert(got_ids, local_experts)
-  done = _swiglu(got[order], local_sizes, *weights, tensor_axes, matmul)
+  order, local_ids, local_sizes = _sort_by_expert(got_ids, local_experts)
+  done = _swiglu(got[order], local_sizes, local_ids, weights, unit, tensor_axes, matmul)
   back = jnp.zeros_like(done).at[order].set(done).reshape(peers, slots, d)
   back = jax.lax.all_to_all(back, expert_axes, 0, 0)
   out = jnp.where(sent[:, None], back.at[where_to].get(mode="fill", fill_value=0), 0)
@@ -162,9 +186,7 @@ def _experts_on_shard(
   weights: jax.Array,
   experts: jax.Array,
   token_mask: jax.Array,
-  wi_0: jax.Array,
-  wi_1: jax.Array,
-  wo: jax.Array,
+  expert_weights: tuple[jax.Array, ...],
   *,
   num_experts: int,
   capacity_factor: float,
@@ -173,8 +195,10 @@ def _experts_on_shard(
   peers: int = 1,
   buffer_factor: float = -1.0,
   matmul: GroupedMatmul = GroupedMatmul(),
+  unit: Unit = Unit(),
 ) -> tuple[jax.Array, jax.Array]:
-  """One shard: x [b, s, d], weights/experts [b, s, k], token_mask [b, s] -> (y [b, s, d], dropped pairs)."""
+  """One shard: x [b, s, d], weights/experts [b, s, k], token_mask [b, s] -> (y [b, s, d], dropped pairs);
+  expert_weights as Unit says."""
   b, s, d = x.shape
   k = experts.shape[-1]
   tokens = b * s
@@ -191,13 +215,13 @@ def _experts_on_shard(
     # A peer takes at most all the rows, and with a capacity at most `capacity` of each of its experts: more
     # slots would only ever be empty. ragged_buffer_factor scales the even share of all top-k assignments.
     slots = rows.shape[0] if buffer_factor <= 0 else max(1, math.ceil(tokens * k * buffer_factor / peers))
-    slots = min(slots, rows.shape[0], wi_0.shape[0] * (capacity or rows.shape[0]))
+    slots = min(slots, rows.shape[0], expert_weights[0].shape[0] * (capacity or rows.shape[0]))
     out, lost = _on_expert_shards(
-      rows, sorted_expert, sizes, (wi_0, wi_1, wo), expert_axes, tensor_axes, peers, slots, matmul
+      rows, sorted_expert, sizes, expert_weights, expert_axes, tensor_axes, peers, slots, matmul, unit
     )
     dropped = dropped + lost
   else:
-    out = _swiglu(rows, sizes, wi_0, wi_1, wo, tensor_axes, matmul)
+    out = _swiglu(rows, sizes, sorted_expert, expert_weights, unit, tensor_axes, matmul)
   weighted = out * pair_weight[:, None].astype(x.dtype)
   y = jnp.zeros((tokens, d), x.dtype).at[order // k].add(weighted)
   return y.reshape(b, s, d), dropped
@@ -214,26 +238,29 @@ def sparse_experts(
   capacity_factor: float,
   buffer_factor: float = -1.0,
   matmul: GroupedMatmul = GroupedMatmul(),
+  biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+  gated: Callable[[jax.Array, jax.Array], jax.Array] = silu_gated,
 ) -> tuple[jax.Array, jax.Array]:
-  """(y [b, s, d], dropped (token, expert) pairs): sum_k weights * SwiGLU_{experts}(x), every shard on its own
-  tokens. Weights [experts, embed, mlp] / [experts, mlp, embed]. With experts split over devices, each pair
-  travels to its expert's shard in a buffer of rows per peer: ragged_buffer_factor x its even share (<= 0:
-  room for all, so nothing is dropped)."""
+  """(y [b, s, d], dropped (token, expert) pairs): sum_k weights * expert_{experts}(x), every shard on its own
+  tokens; an expert is wo(gated(x wi_0, x wi_1)), with the biases of wi_0, wi_1, wo if given. Weights [experts,
+  embed, mlp] / [experts, mlp, embed]. With experts split over devices, each pair travels to its expert's shard in a
+  buffer of rows per peer: ragged_buffer_factor x its even share (<= 0: room for all, so nothing is dropped)."""
   mesh = jax.sharding.get_abstract_mesh()
   num_experts = wi_0.shape[0]
+  unit = Unit(gated, biases is not None)
+  expert_weights = (wi_0, wi_1, wo, *(biases or ()))
   if mesh is None or mesh.empty:
     return _experts_on_shard(
       x,
       weights,
       experts,
       token_mask,
-      wi_0,
-      wi_1,
-      wo,
+      expert_weights,
       num_experts=num_experts,
       capacity_factor=capacity_factor,
       tensor_axes=(),
       matmul=matmul,
+      unit=unit,
     )
   batch, length = _mesh_axes("activation_batch", mesh), _mesh_axes("activation_length", mesh)
   mlp, exp = _mesh_axes("mlp", mesh), _mesh_axes("exp", mesh)
@@ -248,22 +275,22 @@ def sparse_experts(
     peers=peers,
     buffer_factor=buffer_factor,
     matmul=matmul,
+    unit=unit,
   )
+  weight_specs = (
+    PartitionSpec(exp or None, None, mlp or None),
+    PartitionSpec(exp or None, None, mlp or None),
+    PartitionSpec(exp or None, mlp or None, None),
+  )
+  if biases is not None:  # split as their kernels' outputs; wo's is added after the sum over mlp shards, so whole
+    weight_specs += (PartitionSpec(exp or None, mlp or None),) * 2 + (PartitionSpec(exp or None, None),)
   y, dropped = jax.shard_map(
     lambda *a: _summed(body, batch + length, *a),
     mesh=mesh,
-    in_specs=(
-      PartitionSpec(batch or None, length or None, None),
-      tokens,
-      tokens,
-      tokens,
-      PartitionSpec(exp or None, None, mlp or None),
-      PartitionSpec(exp or None, None, mlp or None),
-      PartitionSpec(exp or None, mlp or None, None),
-    ),
+    in_specs=(PartitionSpec(batch or None, length or None, None), tokens, tokens, tokens, weight_specs),
     out_specs=(PartitionSpec(batch or None, length or None, None), PartitionSpec()),
     check_vma=False,
-  )(x, weights, experts, token_mask, wi_0, wi_1, wo)
+  )(x, weights, experts, token_mask, expert_weights)
   return y, dropped
 
 

@@ -56,10 +56,12 @@ def splash_attention(
   interpret: bool,
   window: int = 0,
   cap: float = 0.0,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled.
   window > 0: each query sees its `window` latest keys only (the kernel skips the blocks outside the band);
-  cap > 0: the scores are soft-capped."""
+  cap > 0: the scores are soft-capped; sinks [heads]: one more logit per head in each softmax's denominator (the
+  kernel starts each row's running max and sum from it)."""
   value_dim = v.shape[-1]
   if value_dim < q.shape[-1]:  # MLA's values are narrower than its queries; the kernel takes one head width
     v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - value_dim)])
@@ -88,12 +90,16 @@ def splash_attention(
     interpret=interpret,
   )
 
-  def attend(kernel, q, k, v, q_segments, kv_segments):
-    per_example = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks))
+  def attend(kernel, q, k, v, q_segments, kv_segments, sinks):
+    def per_example(q, k, v, qs, ks):
+      return kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks), **({} if sinks is None else {"sinks": sinks}))
+
     return jax.vmap(per_example)(q, k, v, q_segments, kv_segments)
 
+  if sinks is not None:
+    sinks = sinks.astype(jnp.float32)
   if not on_mesh:
-    out = attend(kernel, q, k, v, segment_ids, segment_ids)
+    out = attend(kernel, q, k, v, segment_ids, segment_ids, sinks)
   else:
     q_spec = P(batch_axes, head_axes, seq_axes, None)
     kv_spec = P(batch_axes, head_axes, None, None)
@@ -101,9 +107,17 @@ def splash_attention(
     sharded = jax.shard_map(
       attend,
       mesh=mesh,
-      in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axes, seq_axes), P(batch_axes, None)),
+      in_specs=(
+        kernel_spec,
+        q_spec,
+        kv_spec,
+        kv_spec,
+        P(batch_axes, seq_axes),
+        P(batch_axes, None),
+        None if sinks is None else P(head_axes),  # each head shard takes its heads' sinks
+      ),
       out_specs=q_spec,
       check_vma=False,
     )
-    out = sharded(kernel, q, k, v, segment_ids, segment_ids)
+    out = sharded(kernel, q, k, v, segment_ids, segment_ids, sinks)
   return jnp.swapaxes(out, 1, 2)[..., :value_dim]

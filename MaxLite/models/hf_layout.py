@@ -76,7 +76,7 @@ _SAME = (lambda w: w, lambda k: k)
 _TRANSPOSED = (np.transpose, np.transpose)
 
 
-def _rope_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def rope_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
   rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
   kind = rope.get("rope_type", rope.get("type", "default"))
   theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
@@ -150,7 +150,7 @@ def model_settings_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     "attention_bias": qwen2,
     "use_qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     "num_experts": 1,
-    **_rope_settings(hf, source),
+    **rope_settings(hf, source),
   }
   if arch == "MixtralForCausalLM":
     # Softmax over all experts, then the chosen k renormalised (norm_topk_prob); each expert is intermediate_size
@@ -200,7 +200,7 @@ def architecture_of(config: Any) -> str:
   return "Qwen2ForCausalLM" if config.attention_bias else "LlamaForCausalLM"
 
 
-def _rope_scaling(config: Any) -> dict[str, Any] | None:
+def rope_scaling(config: Any) -> dict[str, Any] | None:
   if config.rope_type == "llama3.1":
     return {
       "rope_type": "llama3",
@@ -236,7 +236,7 @@ def rope_keys(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
 
 def hf_config_from_model(config: Any, bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
   arch = architecture_of(config)
-  scaling = _rope_scaling(config)
+  scaling = rope_scaling(config)
   context = config.max_position_embeddings
   if context < 1:
     context = int(config.original_max_position_embeddings * config.rope_factor) if scaling else config.max_target_length

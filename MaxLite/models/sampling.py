@@ -39,7 +39,7 @@ def sampling_logits(
   logits: jax.Array, temperature: float, top_k: int, top_p: float, keep: jax.Array | None = None
 ) -> jax.Array:
   """The logits a token is drawn from (module docstring), in float32, [..., vocab]. `keep` [..., vocab] (bool): tokens
-  never cut by top-k/top-p (GRPO scores a sampled token so, training/grpo.py)."""
+  never cut by top-k/top-p (GRPO scores a sampled token so, objectives/grpo.py)."""
   logits = logits.astype(jnp.float32) / temperature
   if top_k > 0:
     logits = top_k_logits(logits, top_k, keep)

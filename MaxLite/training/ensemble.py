@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec
 
 from MaxLite.config import Config
 from MaxLite.config.ensembles import member_learning_rates, member_seed_offsets
+from MaxLite.objectives import cross_entropy as loss
 from MaxLite.parallel.sharding import logical_to_sharding, unbox
-from MaxLite.training import loss
 from MaxLite.training.train_state import TrainState, init_state, new_state
-from MaxLite.training.train_step import Batch, forward, train_step
+from MaxLite.training.train_step import Batch, train_step
 
 AXIS = "ensemble"  # the logical axis and the mesh axis of the members
 PER_MEMBER = ("loss", "grad_norm", "learning_rate")  # the metrics that get one series per member
@@ -133,7 +133,7 @@ def eval_sums(params: Any, batch: Batch, *, apply_fn: Any, config: Config) -> di
   probabilities, log(mean_i p_i) = logsumexp_i(log p_i) - log K."""
 
   def target_log_probs(p: Any) -> jax.Array:
-    logits, _ = forward(p, apply_fn, batch, jax.random.key(0))
+    logits, _ = loss.forward(p, apply_fn, batch, jax.random.key(0))
     return loss.target_log_probs(logits, batch["targets"])[0]
 
   log_p = jax.vmap(target_log_probs, spmd_axis_name=AXIS)(params)  # [members, batch, length]

@@ -12,33 +12,29 @@ import jax
 import numpy as np
 
 from MaxLite.cli import ticker
-from MaxLite.config import Config
+from MaxLite.config import Config, objectives
 from MaxLite.data import input_pipeline
 from MaxLite.models import build
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.training import ensemble
-from MaxLite.training.dpo import REWARD_METRICS
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.train_state import model_params
 from MaxLite.training.train_step import jit_eval_step
 
 
-def eval_metrics(totals: dict[str, Any], use_dpo: bool) -> dict[str, float]:
-  """The logged eval metrics from the sums over every eval batch: cross-entropy per token (without z-loss), or DPO's
-  loss and TRL's rewards per pair, or an ensemble's (each member's and the ensemble's)."""
+def eval_metrics(totals: dict[str, Any], config: Config) -> dict[str, float]:
+  """The logged eval metrics from the sums over every eval batch: the objective's (cross-entropy per token without
+  z-loss, DPO's loss and TRL's rewards per pair, ...), or an ensemble's (each member's and the ensemble's)."""
   if "ensemble_xent_sum" in totals:
     return ensemble.eval_metrics(totals)
-  if use_dpo:
-    pairs = max(totals["pairs"], 1.0)
-    return {"eval_loss": totals["dpo_loss_sum"] / pairs} | {f"eval_{k}": totals[k] / pairs for k in REWARD_METRICS}
-  return {"eval_loss": totals["xent_sum"] / max(totals["tokens"], 1.0)}
+  return objectives.of(config).eval_metrics(totals, config)
 
 
 def evaluate(
   config: Config, mesh: jax.sharding.Mesh, eval_fn: Any, params: Any, batches: Any = None, reference: Any = None
 ) -> dict[str, float]:
   """eval_metrics over the first eval_steps eval batches. `batches`, the run's eval iterator, is rewound and reused;
-  without it a new one is made and closed. `reference`: DPO's frozen reference parameters."""
+  without it a new one is made and closed. `reference`: the frozen reference parameters (DPO's)."""
   totals: dict[str, Any] = {}  # float sums; an ensemble's per-member sums are arrays
   own = batches is None
   if own:
@@ -47,13 +43,13 @@ def evaluate(
     batches.rewind()
   try:
     for _ in range(config.eval_steps):
-      args = (params, next(batches)) + ((reference,) if config.use_dpo else ())
+      args = (params, next(batches)) + ((reference,) if objectives.of(config).reads_reference else ())
       for k, v in jax.device_get(eval_fn(*args)).items():
         totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)  # an ensemble sums one value per member
   finally:
     if own:
       batches.close()
-  return {k: float(v) for k, v in eval_metrics(totals, config.use_dpo).items()}
+  return {k: float(v) for k, v in eval_metrics(totals, config).items()}
 
 
 class NoEvaluator:

@@ -1,6 +1,6 @@
 """One GRPO step, on the training mesh: sample num_generations completions of each prompt with the policy (the
 KV-cache sampler, models/sampling.py), score them with the reward functions, turn the scores into group-relative
-advantages, and make num_iterations updates on that batch (the loss is training/grpo.py's, inside the jitted train
+advantages, and make num_iterations updates on that batch (the loss is objectives/grpo.py's, inside the jitted train
 step). Evaluation decodes held-out prompts greedily and reports the mean reward of each function.
 
 A step's randomness is fold_in(seed, step): the same step samples the same completions, so a resumed run equals
@@ -25,8 +25,9 @@ from MaxLite.data.chat import ChatTemplate
 from MaxLite.data.prompts import PromptRecords
 from MaxLite.data.tokenizer import continuation_text, load_tokenizer
 from MaxLite.models import build, sampling
+from MaxLite.objectives import grpo
 from MaxLite.parallel import sharding as sharding_lib
-from MaxLite.training import grpo, rewards
+from MaxLite.training import rewards
 from MaxLite.training.evaluation import eval_due
 from MaxLite.training.metrics import StepLog
 from MaxLite.training.train_state import model_params
@@ -124,7 +125,8 @@ class GrpoSteps:
     )
 
   def _watch_reward_spread(self, step: int, advantages: np.ndarray, scores: np.ndarray) -> None:
-    """Warns once FLAT_STEPS_WARNING steps in a row had no reward spread in any group (training/grpo.py: no update)."""
+    """Warns once FLAT_STEPS_WARNING steps in a row had no reward spread in any group (objectives/grpo.py: no
+    update)."""
     if np.any(advantages):
       self._flat_since = None
       return

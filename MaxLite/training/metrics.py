@@ -16,10 +16,8 @@ from absl import logging
 
 from MaxLite import storage
 from MaxLite.cli.errors import MaxLiteError
-from MaxLite.config import Config
+from MaxLite.config import Config, objectives
 from MaxLite.models import flops
-from MaxLite.training.dpo import REWARD_METRICS
-from MaxLite.training.grpo import METRIC_PREFIXES as GRPO_METRIC_PREFIXES
 
 
 class NonFiniteLossError(MaxLiteError):
@@ -236,8 +234,7 @@ def metrics_row(
     row["z_loss"] = values["z_loss"]
   if "tokens" in values:  # tokens the loss covers: the real ones (SFT: the completions; DPO: the responses)
     row["trained_tokens"] = values["tokens"]
-  row.update({k: values[k] for k in (*REWARD_METRICS, "pairs") if k in values})
-  row.update({k: v for k, v in values.items() if k.startswith(GRPO_METRIC_PREFIXES)})
+  row.update({k: v for k, v in values.items() if k.startswith(objectives.of(config).logged)})
   row.update({k: values[k] for k in ("moe_lb_loss", "moe_dropped_fraction") if k in values})
   row.update({k: v for k, v in values.items() if "/member_" in k})  # an ensemble's one series per member
   if config.peak_tflops_per_device > 0:

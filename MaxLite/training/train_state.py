@@ -13,7 +13,7 @@ import optax
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxLite.config import Config
+from MaxLite.config import Config, objectives
 from MaxLite.layers import lora
 from MaxLite.parallel.sharding import logical_to_sharding, unbox
 
@@ -57,7 +57,7 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Confi
 def keeps_reference(config: Config) -> bool:
   """Whether the state holds a frozen copy of the starting parameters: DPO's reference, or GRPO's for its KL penalty
   (none with grpo_beta=0, as TRL loads no reference model then). Under LoRA the frozen base is the reference."""
-  return not config.enable_lora and (config.use_dpo or (config.use_grpo and config.grpo_beta > 0))
+  return objectives.of(config).reference(config)
 
 
 def model_params(state: TrainState) -> Any:

@@ -9,13 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxLite.config import Config
+from MaxLite.config import Config, objectives
 from MaxLite.config.families import family
 from MaxLite.layers import lora
-from MaxLite.models.transformer import logits_dtype
 from MaxLite.parallel.sharding import on_device
 from MaxLite.runtime.compiler_options import step_compiler_options
-from MaxLite.training import dpo, grpo, loss
 from MaxLite.training.optimizer import create_optimizer, learning_rate_schedule
 from MaxLite.training.train_state import TrainState
 
@@ -25,68 +23,11 @@ Batch = dict[str, jax.Array]
 def batch_loss_sums(
   params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config, reference: Any = None
 ) -> tuple:
-  """(total, sums): the model's losses on `batch` summed (not averaged) over real tokens (DPO: over pairs, with
-  `reference` the frozen reference parameters), so microbatches add up to the full batch exactly. `total` (also
-  sums["loss_sum"]) is what the gradient is taken of; sums["count"] is what it is a sum over."""
-  if config.use_dpo:
-    return _dpo_loss_sums(params, reference, apply_fn, batch, rng, config)
-  if config.use_grpo:
-    logits, _ = forward(params, apply_fn, batch, rng)
-    sums = grpo.loss_sums(logits, batch, config)
-    return sums["loss_sum"], sums
-  tiled, sliced = config.num_vocab_tiling > 1, config.vocab_slices > 1
-  out, extra = forward(params, apply_fn, batch, rng, return_hidden=tiled or sliced)
-  mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  if tiled or sliced:
-    hidden, head = out
-    split_loss = loss.tiled_loss_sums if tiled else loss.vocab_sliced_loss_sums
-    n = config.num_vocab_tiling if tiled else config.vocab_slices
-    xent_sum, z_sum = split_loss(
-      hidden, head, batch["targets"], mask, config.z_loss_multiplier, n, logits_dtype(config)
-    )
-  else:
-    xent_sum, z_sum = loss.loss_sums(out, batch["targets"], mask, config.z_loss_multiplier)
-  tokens = jnp.sum(mask)
-  sums = {"xent_sum": xent_sum, "z_sum": z_sum, "tokens": tokens, "count": tokens}
-  if "moe" in extra.get("intermediates", {}):
-    moe = extra["intermediates"]["moe"][0]
-    # Token-weighted like the other terms, so gradient accumulation and sharding leave it unchanged.
-    sums.update(moe_lb_sum=moe["lb_loss"] * tokens, moe_dropped=moe["dropped"], moe_routed=moe["routed"])
-    if "expert_counts" in moe:  # [MoE layers, experts], for the routing-bias update
-      sums["expert_counts"] = moe["expert_counts"]
-  sums["loss_sum"] = sums["xent_sum"] + sums["z_sum"] + config.load_balance_loss_weight * sums.get("moe_lb_sum", 0.0)
-  return sums["loss_sum"], sums
-
-
-def forward(params: Any, apply_fn: Any, batch: Batch, rng: jax.Array, return_hidden: bool = False) -> tuple:
-  """(logits or (hidden, head), the intermediates) of the model on a batch's inputs."""
-  return apply_fn(
-    {"params": params},
-    batch["inputs"],
-    batch["inputs_position"],
-    batch["inputs_segmentation"],
-    return_hidden=return_hidden,
-    rngs={"dropout": rng},
-    mutable="intermediates",
-  )
-
-
-def _dpo_loss_sums(params: Any, reference: Any, apply_fn: Any, batch: Batch, rng: jax.Array, config: Config) -> tuple:
-  """DPO's loss and metrics summed over the batch's preference pairs (training/dpo.py)."""
-
-  def responses(p: Any) -> tuple[jax.Array, ...]:
-    logits, _ = forward(p, apply_fn, batch, rng)
-    log_p, _ = loss.target_log_probs(logits, batch["targets"])
-    return dpo.response_log_probs(log_p, batch["targets_segmentation"])
-
-  chosen, rejected, valid = responses(params)
-  # The reference's own forward pass: without dropout, whatever dropout_rate (training/dpo.py).
-  ref_chosen, ref_rejected = dpo.reference_log_probs(reference, batch, config)
-  sums = dpo.dpo_sums(
-    (chosen, rejected), (ref_chosen, ref_rejected), valid, config.dpo_beta, config.dpo_label_smoothing
-  )
-  sums.update(loss_sum=sums["dpo_loss_sum"], count=sums["pairs"], tokens=jnp.sum(batch["targets_segmentation"] != 0))
-  return sums["loss_sum"], sums
+  """(total, sums): the objective's losses on `batch` summed (not averaged) over what it averages over (tokens,
+  pairs, completions; `reference`: the frozen reference parameters where it reads them), so microbatches add up to
+  the full batch exactly. `total` (also sums["loss_sum"]) is what the gradient is taken of; sums["count"] is what it
+  is a sum over."""
+  return objectives.of(config).loss_sums(params, reference, apply_fn, batch, rng, config)
 
 
 def _microbatches(batch: Batch, n: int) -> Batch:
@@ -106,6 +47,9 @@ def _gradients(state: TrainState, batch: Batch, rng: jax.Array, config: Config) 
   def grad_fn(micro: Batch, micro_rng: jax.Array) -> tuple:
     return jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro, micro_rng)
 
+  objective = objectives.of(config)
+  if objective.prepare is not None:  # whole-batch quantities, before the batch is split
+    batch = objective.prepare(batch, config)
   n = config.gradient_accumulation_steps
   if n == 1:
     (_, aux), grads = grad_fn(batch, rng)
@@ -143,8 +87,9 @@ def train_step(
     new_state = state.apply_gradients(grads=grads)
   else:  # the member's own schedule; its optimizer state has the same structure, so `tx` goes back unchanged
     new_state = state.replace(tx=create_optimizer(config, peak)).apply_gradients(grads=grads).replace(tx=state.tx)
-  if config.use_grpo:  # no update from a batch whose advantages are all 0 (training/grpo.py's docstring)
-    new_state = jax.tree.map(functools.partial(jnp.where, grpo.updates(batch)), new_state, state)
+  objective = objectives.of(config)
+  if objective.keeps_update is not None:  # e.g. GRPO: no update from a batch with no signal (objectives/grpo.py)
+    new_state = jax.tree.map(functools.partial(jnp.where, objective.keeps_update(batch)), new_state, state)
   # With LoRA the routing bias belongs to the frozen base, which a LoRA step does not save: moved here it would be
   # lost at each resume and missing from every export (base + adapters), so it stays as loaded.
   if "expert_counts" in aux and config.routed_bias_update_rate > 0 and state.frozen is None:
@@ -155,12 +100,7 @@ def train_step(
     "learning_rate": learning_rate_schedule(config, peak)(state.step),
     "tokens": aux["tokens"],
   }
-  if config.use_dpo:
-    metrics.update({k: aux[k] / count for k in dpo.REWARD_METRICS}, pairs=aux["pairs"])
-  elif config.use_grpo:  # per completion token, as TRL logs them
-    metrics.update({k: aux[k] / jnp.maximum(aux["tokens"], 1.0) for k in grpo.TOKEN_METRICS if k in aux})
-  else:
-    metrics["z_loss"] = aux["z_sum"] / count
+  metrics.update(objective.train_metrics(aux, count))
   if "moe_lb_sum" in aux:
     metrics["moe_lb_loss"] = aux["moe_lb_sum"] / count
     metrics["moe_dropped_fraction"] = aux["moe_dropped"] / jnp.maximum(aux["moe_routed"], 1.0)
@@ -202,10 +142,12 @@ def eval_step(
   shardings: Any = None,
   reference_shardings: Any = None,
 ) -> dict:
-  """The loss sums of one eval batch; `reference` only with use_dpo."""
+  """The loss sums of one eval batch; `reference` only for an objective that reads it."""
   if shardings is not None:
     params = on_device(params, shardings)
     reference = None if reference is None else on_device(reference, reference_shardings or shardings)
+  objective = objectives.of(config)
+  batch = batch if objective.prepare is None else objective.prepare(batch, config)
   _, aux = batch_loss_sums(params, apply_fn, batch, jax.random.key(0), config, reference)
   aux.pop("expert_counts", None)  # only training moves the routing bias; eval reports scalars
   return aux
@@ -264,14 +206,15 @@ def jit_eval_step(
   replicated: Any,
   reference_shardings: Any = None,
 ):
-  """DPO's frozen reference is a third argument, sharded like the parameters unless `reference_shardings` says
+  """The frozen reference (DPO's) is a third argument, sharded like the parameters unless `reference_shardings` says
   otherwise (LoRA: the base alone)."""
   reference_shardings = param_shardings if reference_shardings is None else reference_shardings
   return jax.jit(
     functools.partial(
       eval_step, apply_fn=apply_fn, config=config, shardings=param_shardings, reference_shardings=reference_shardings
     ),
-    in_shardings=(param_shardings, batch_sharding) + ((reference_shardings,) if config.use_dpo else ()),
+    in_shardings=(param_shardings, batch_sharding)
+    + ((reference_shardings,) if objectives.of(config).reads_reference else ()),
     out_shardings=replicated,
     compiler_options=step_compiler_options(config, _platform(batch_sharding)),
   )

@@ -20,7 +20,7 @@ from MaxLite import storage
 from MaxLite.checkpoint import lora_steps
 from MaxLite.checkpoint import manager as checkpointing
 from MaxLite.cli import ticker
-from MaxLite.config import Config
+from MaxLite.config import Config, objectives
 from MaxLite.data import input_pipeline
 from MaxLite.parallel import sharding as sharding_lib
 from MaxLite.parallel.mesh import create_mesh, describe_mesh
@@ -113,7 +113,7 @@ def _train_on_mesh(config: Config, mesh: jax.sharding.Mesh, guard: Any, lock: An
     _print_sharding_report(pieces)
   with contextlib.ExitStack() as stack:  # closed in reverse: the last save is waited for before the input stops
     # GRPO samples its batches from prompts with the policy itself; `batches` is then the prompt stream.
-    rl = grpo_run.GrpoSteps(config, mesh, pieces) if config.use_grpo else None
+    rl = grpo_run.GrpoSteps(config, mesh, pieces) if objectives.of(config).rollouts else None
     batches = rl.batches if rl else input_pipeline.make_iterator(config, mesh, "train")
     stack.enter_context(contextlib.closing(batches))
     # The lock makes the run directory: only now that the tokenizer and data files have been checked, so a run

@@ -28,6 +28,19 @@ from MaxLite.parallel.sharding import EMBED_ACTIVATION
 LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
 
+def forward(params: Any, apply_fn: Any, batch: dict[str, jax.Array], rng: jax.Array, return_hidden: bool = False):
+  """(logits or (hidden, head), the intermediates) of the model on a batch's inputs."""
+  return apply_fn(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_position"],
+    batch["inputs_segmentation"],
+    return_hidden=return_hidden,
+    rngs={"dropout": rng},
+    mutable="intermediates",
+  )
+
+
 def target_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(log-probability of each target, log Z), in float32."""
   logits = logits.astype(jnp.float32)

@@ -19,14 +19,40 @@ The reference is a fixed function of the data: its forward pass never drops acti
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-import jax
-import jax.numpy as jnp
+from pydantic import BaseModel, Field
 
-from MaxLite.config import Config
-from MaxLite.models import build
-from MaxLite.training import loss
+from MaxLite.cli.errors import ConfigError
+from MaxLite.config import objectives, post_training
+from MaxLite.config.choices import DPO_COLUMNS
+from MaxLite.runtime.lazy import jax, jnp
+
+
+class Dpo(BaseModel):
+  """DPO and ORPO on preference pairs (MaxText's keys). In a YAML file they may also sit under `dpo:` and on the
+  command line be written dpo.KEY=VALUE, as MaxText's post_train/dpo.yml does (dpo.algo is dpo_algo)."""
+
+  nested_under: ClassVar[str] = "dpo"  # MaxText's `dpo:` group (config/maxtext_compat.py)
+
+  use_dpo: bool = Field(
+    False,
+    description="preference optimisation on chosen/rejected pairs (dpo_algo); DPO's reference is load_parameters_path",
+  )
+  dpo_algo: str = Field(
+    "dpo",
+    description="the preference objective: dpo (against a frozen reference), or another registered under use_dpo",
+    json_schema_extra={"nested_as": "algo"},  # MaxText's dpo.algo
+  )
+  dpo_beta: float = Field(0.1, description="DPO: how strongly the policy is held to the reference")
+  dpo_label_smoothing: float = Field(
+    0.0,
+    description="DPO: the chance a pair's label is wrong (conservative DPO), in [0, 0.5)",
+  )
+
+
+KEY_GROUPS = (Dpo,)
 
 # TRL's names for the implicit-reward metrics (each a sum over pairs in dpo_sums; a mean per pair when logged).
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -52,17 +78,20 @@ def response_log_probs(token_log_probs: jax.Array, target_segments: jax.Array) -
   return sums[..., 0], sums[..., 1], valid
 
 
-def reference_log_probs(reference: Any, batch: dict[str, jax.Array], config: Config) -> tuple[jax.Array, jax.Array]:
+def reference_log_probs(reference: Any, batch: dict[str, jax.Array], config: Any) -> tuple[jax.Array, jax.Array]:
   """(chosen, rejected), each [batch, pairs]: the frozen reference's summed log-probabilities of each pair's
   responses, from its own deterministic forward pass (no dropout, no gradient). With LoRA the reference is the frozen
   base with the adapters off: the model without them, so no second copy of the weights exists."""
+  from MaxLite.models import build
+  from MaxLite.objectives import cross_entropy
+
   logits = build.model(config, adapters=False).apply(
     {"params": jax.lax.stop_gradient(reference)},
     batch["inputs"],
     batch["inputs_position"],
     batch["inputs_segmentation"],
   )
-  log_p, _ = loss.target_log_probs(logits, batch["targets"])
+  log_p, _ = cross_entropy.target_log_probs(logits, batch["targets"])
   chosen, rejected, _ = response_log_probs(log_p, batch["targets_segmentation"])
   return chosen, rejected
 
@@ -92,3 +121,77 @@ def dpo_sums(
     "rewards/margins": jnp.sum(logits * valid),
     "pairs": jnp.sum(valid),
   }
+
+
+def selects(c: Mapping[str, Any]) -> bool:
+  return bool(c["use_dpo"]) and c["dpo_algo"] == "dpo"
+
+
+def derive(c: dict[str, Any]) -> dict[str, Any]:
+  """The preference columns; the reference is the loaded checkpoint, so one must be named."""
+  out = post_training.derive_records(c, DPO_COLUMNS, "use_dpo")
+  post_training.starts_from_a_checkpoint(
+    c, "use_dpo", "the loaded parameters are the frozen reference model and the start"
+  )
+  if c["num_vocab_tiling"] > 1:
+    raise ConfigError("use_dpo=true needs num_vocab_tiling=1 (DPO sums log-probabilities per response)")
+  if not 0.0 <= c["dpo_label_smoothing"] < 0.5:
+    raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {c['dpo_label_smoothing']}")
+  if c["dpo_beta"] <= 0:
+    raise ConfigError(f"dpo_beta must be positive, got {c['dpo_beta']}")
+  return out
+
+
+def policy_log_probs(params: Any, apply_fn: Any, batch: dict[str, jax.Array], rng: jax.Array) -> tuple:
+  """(chosen, rejected, valid) of the policy, and its logits."""
+  from MaxLite.objectives import cross_entropy
+
+  logits, _ = cross_entropy.forward(params, apply_fn, batch, rng)
+  log_p, _ = cross_entropy.target_log_probs(logits, batch["targets"])
+  return (*response_log_probs(log_p, batch["targets_segmentation"]), logits)
+
+
+def loss_sums(params: Any, reference: Any, apply_fn: Any, batch: dict[str, jax.Array], rng: jax.Array, config: Any):
+  """DPO's loss and metrics summed over the batch's preference pairs."""
+  chosen, rejected, valid, _ = policy_log_probs(params, apply_fn, batch, rng)
+  # The reference's own forward pass: without dropout, whatever dropout_rate (the module docstring).
+  ref_chosen, ref_rejected = reference_log_probs(reference, batch, config)
+  sums = dpo_sums((chosen, rejected), (ref_chosen, ref_rejected), valid, config.dpo_beta, config.dpo_label_smoothing)
+  sums.update(loss_sum=sums["dpo_loss_sum"], count=sums["pairs"], tokens=jnp.sum(batch["targets_segmentation"] != 0))
+  return sums["loss_sum"], sums
+
+
+def train_metrics(sums: dict[str, Any], count: Any) -> dict[str, Any]:
+  return {k: sums[k] / count for k in REWARD_METRICS} | {"pairs": sums["pairs"]}
+
+
+def eval_metrics(totals: dict[str, Any], config: Any) -> dict[str, float]:
+  del config
+  pairs = max(totals["pairs"], 1.0)
+  return {"eval_loss": totals["dpo_loss_sum"] / pairs} | {f"eval_{k}": totals[k] / pairs for k in REWARD_METRICS}
+
+
+def keeps_reference(config: Any) -> bool:
+  """A frozen copy of the start, unless LoRA's frozen base is the reference already."""
+  return not config.enable_lora
+
+
+OBJECTIVE = objectives.register(
+  objectives.Objective(
+    name="dpo",
+    flag="use_dpo",
+    selects=selects,
+    loss_sums=loss_sums,
+    train_metrics=train_metrics,
+    eval_metrics=eval_metrics,
+    record_kind=lambda c: post_training.data_kind(c["train_data_columns"]),
+    derive=derive,
+    reads_records=True,
+    min_segments=2,
+    whole_logits=True,
+    reference=keeps_reference,
+    reads_reference=True,
+    ensembles=False,
+    logged=(*REWARD_METRICS, "pairs"),
+  )
+)
