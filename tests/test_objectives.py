@@ -58,6 +58,7 @@ def test_the_check_finds_a_flag_read(tmp_path):
     ((), "pretraining"),
     (("use_sft=true", "train_data_columns=['prompt','completion']"), "sft"),
     (("use_dpo=true", "load_parameters_path=x"), "dpo"),
+    (("use_dpo=true", "dpo_algo=orpo"), "orpo"),
     (("use_grpo=true",), "grpo"),
   ],
 )

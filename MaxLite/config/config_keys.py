@@ -224,6 +224,9 @@ class ConfigKeys:
   dpo_beta: float
   dpo_label_smoothing: float
 
+  # Orpo (`--describe Orpo`)
+  orpo_lambda: float
+
   # Grpo (`--describe Grpo`)
   use_grpo: bool
   num_generations: int

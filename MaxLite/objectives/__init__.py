@@ -7,6 +7,6 @@ no jax, so `--help` and config validation stay fast. Adding an objective is addi
 
 import importlib
 
-MODULES = ("pretraining", "sft", "dpo", "grpo")
+MODULES = ("pretraining", "sft", "dpo", "orpo", "grpo")
 _loaded = [importlib.import_module(f"{__name__}.{name}") for name in MODULES]
 KEY_GROUPS = tuple(group for module in _loaded for group in getattr(module, "KEY_GROUPS", ()))
