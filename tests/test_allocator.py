@@ -84,4 +84,4 @@ def test_the_process_a_launch_replaces_imports_neither_jax_nor_the_models():
     "from MaxLite.config import families; print(families.decoder_blocks())"
   )
   out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True).stdout
-  assert out.splitlines() == ["[]", "('deepseek', 'gemma3', 'llama2', 'mistral')"], out
+  assert out.splitlines() == ["[]", "('deepseek', 'gemma3', 'gpt_oss', 'llama2', 'mistral')"], out

@@ -81,7 +81,10 @@ def test_local_layers_cost_only_their_window():
     (("sliding_window_size=0",), "sliding_window_size >= 1"),
     (("num_experts=4",), "dense MLP"),
     (("final_logits_soft_cap=30", "num_vocab_tiling=2"), "final_logits_soft_cap > 0 needs num_vocab_tiling=1"),
-    (("decoder_block=gemma4",), "decoder_block='gemma4' is not one of: 'deepseek', 'gemma3', 'llama2', 'mistral'"),
+    (
+      ("decoder_block=gemma4",),
+      "decoder_block='gemma4' is not one of: 'deepseek', 'gemma3', 'gpt_oss', 'llama2', 'mistral'",
+    ),
   ],
 )
 def test_bad_gemma3_settings_fail_with_one_line(overrides, fragment):

@@ -1,8 +1,8 @@
 """Every family from transformers, one table row each (Llama 3.1/3.2 with RoPE scaling and YaRN, Qwen2.5 with q/k/v
-biases, Qwen3 with q/k norm, Qwen3-MoE, Mixtral, Gemma 3, DeepSeek-V3): converted weights give transformers' logits
-and greedy tokens, and export back bit for bit. A new family is a new row; what only one family does stays in its
-own file (test_gemma3.py, test_deepseek.py). Also: the shipped configs hold the published config.json values and
-parameter counts, and unsupported checkpoints are refused in one line."""
+biases, Qwen3 with q/k norm, Qwen3-MoE, Mixtral, Gemma 3, DeepSeek-V3, GPT-OSS): converted weights give transformers'
+logits and greedy tokens, and export back bit for bit. A new family is a new row; what only one family does stays in
+its own file (test_gemma3.py, test_deepseek.py, test_gpt_oss.py). Also: the shipped configs hold the published
+config.json values and parameter counts, and unsupported checkpoints are refused in one line."""
 
 import copy
 import dataclasses
@@ -58,6 +58,29 @@ TINY_DEEPSEEK = dict(  # DeepseekV3Config arguments of a tiny DeepSeek-V3
   v_head_dim=12,
   max_position_embeddings=256,
 )
+TINY_GPT_OSS = dict(  # GptOssConfig arguments of a tiny GPT-OSS
+  vocab_size=384,
+  hidden_size=64,
+  intermediate_size=48,
+  num_hidden_layers=3,  # layers 0 and 2 sliding, 1 full
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  num_local_experts=4,
+  num_experts_per_tok=2,
+  sliding_window=5,  # shorter than the test's 24 tokens
+  swiglu_limit=0.2,  # below the tiny model's gate and up values: the clamp decides the experts' output
+  max_position_embeddings=64,
+  rope_parameters=dict(
+    rope_type="yarn",
+    rope_theta=150000.0,
+    factor=4.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=16,  # < SEQ: the interpolated frequencies matter
+  ),
+)
 DEEPSEEK_YARN = dict(
   rope_type="yarn",
   rope_theta=10000.0,
@@ -80,7 +103,7 @@ def tiny_hf_model(path: str, architecture: str, config_class: str, settings: dic
   model = getattr(transformers, architecture)(config).eval()
   with torch.no_grad():
     for name, param in model.named_parameters():
-      if "norm" in name or "bias" in name or "gate.weight" in name:
+      if "norm" in name or "bias" in name or "gate.weight" in name or "sinks" in name:
         param.add_(0.3 * torch.randn_like(param))
     for name, buffer in model.named_buffers():
       if "e_score_correction_bias" in name:
@@ -122,6 +145,19 @@ def _gemma3(scan_layers: str, **overrides) -> Family:
     {**TINY_GEMMA3, **overrides},
     convert=(f"scan_layers={scan_layers}",),
     expect=dict(decoder_block="gemma3", sliding_window_size=5),
+    prompt=(3, 200, 17, 91, 5, 8, 40),
+    eager=True,
+  )
+
+
+def _gpt_oss(scan_layers: str, **overrides) -> Family:
+  return Family(
+    "GptOssForCausalLM",
+    "GptOssConfig",
+    {**TINY_GPT_OSS, **overrides},
+    convert=(f"scan_layers={scan_layers}",),
+    expect=dict(decoder_block="gpt_oss", attention_sink=True, sliding_window_size=5, mlp_activations_limit=0.2),
+    dispatches=(("sparse_matmul=true",), ("sparse_matmul=false",)),
     prompt=(3, 200, 17, 91, 5, 8, 40),
     eager=True,
   )
@@ -180,6 +216,9 @@ FAMILIES = {
     "true", q_lora_rank=None, rope_parameters=DEEPSEEK_YARN, max_position_embeddings=1024
   ),
   "deepseek_no_groups": _deepseek("true", n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=2),
+  # sinks, alternating window and full layers, YaRN, biased router and experts, the clamped unit (unscanned and
+  # another shape: test_gpt_oss.py)
+  "gpt_oss": _gpt_oss("true"),
 }
 
 

@@ -362,8 +362,8 @@ def _int8_matmuls(config) -> int:
 
 # Each family's projections, as its layer defines them (one traced layer per scanned stack):
 # Llama-shaped and Gemma 3: q, k, v, out, gate, up, down. DeepSeek (a dense stack, then a MoE one): MLA's wq_a, wq_b,
-# wkv_a, wkv_b, out, then the MLP's or the shared experts' gate, up, down. Mixtral-shaped: q, k, v, out (its routed
-# experts and router stay in the compute dtype, as the module docstring says).
+# wkv_a, wkv_b, out, then the MLP's or the shared experts' gate, up, down. Mixtral-shaped and GPT-OSS: q, k, v, out
+# (their routed experts and router stay in the compute dtype, as the module docstring says).
 PROJECTIONS_PER_FAMILY = [
   ("tiny", (), 7),
   ("tiny", ("scan_layers=false",), 7 * 2),
@@ -371,6 +371,7 @@ PROJECTIONS_PER_FAMILY = [
   ("tiny-deepseek", (), 2 * (5 + 3)),
   ("tiny-deepseek", ("scan_layers=false",), 4 * (5 + 3)),
   ("tiny-moe", (), 4),
+  ("tiny-gpt-oss", (), 4),
 ]
 
 

@@ -242,6 +242,11 @@ class ConfigKeys:
   rollout_top_k: int
   rollout_top_p: float
 
+  # GptOss (`--describe GptOss`)
+  attention_sink: bool
+  mlp_bias: bool
+  mlp_activations_limit: float
+
   # Mesh (`--describe Mesh`)
   ici_ensemble_parallelism: int
   ici_data_parallelism: int

@@ -40,7 +40,8 @@ class ModelArchitecture(BaseModel):
   )
   decoder_block: str = Field(
     "llama2",
-    description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3 | deepseek",
+    description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3 | deepseek | "
+    "gpt_oss",
     json_schema_extra={"saved": True},
   )
   base_emb_dim: int = Field(256, gt=0, description="model (embedding) width", json_schema_extra={"saved": True})

@@ -23,11 +23,12 @@ from MaxLite.config.families import (
   register,
   register_loader,
 )
+from MaxLite.models.gpt_oss_keys import GptOss
 
 # Each module registers its family when imported.
-FAMILY_MODULES = ("deepseek", "gemma3", "llama")
+FAMILY_MODULES = ("deepseek", "gemma3", "gpt_oss", "llama")
 # The families' own key groups (pydantic), after the shared ones in the schema.
-KEY_GROUPS: tuple = ()
+KEY_GROUPS = (GptOss,)
 
 
 def _import_families() -> None:
