@@ -84,7 +84,9 @@ def flatten_nested(updates: dict[str, Any], source: str = "") -> dict[str, Any]:
       if name not in allowed and name not in unimplemented():
         where = f" ({source})" if source else ""
         top = f"; {name} is a top-level key: write {name}={item}" if _is_config_key(name) else ""
-        raise ConfigError(f"{group}.{name}={item}{where} is not {label} key: the {group} group holds only {holds}{top}")
+        raise ConfigError(
+          f"{group}.{name}={item}{where} is not {label} key: the {group} group holds only its own ({holds}){top}"
+        )
       name = allowed.get(name, name)
       out[name] = -1.0 if name == "epsilon_high" and item in (None, "null", "None") else item
   return out
