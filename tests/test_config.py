@@ -383,3 +383,12 @@ def test_a_bad_seed_on_the_command_line_is_one_line_and_writes_nothing(tmp_path)
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert errors == ["error: seed must be in [0, 2**32), got 1e30"], proc.stderr
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("key", ["attention_sink=true", "mlp_bias=true", "mlp_activations_limit=7.0"])
+def test_a_family_s_own_key_under_another_family_is_one_line(key):
+  """GPT-OSS's keys (models/gpt_oss_keys.py) were taken and silently not computed by llama2 or gemma3."""
+  name = key.split("=")[0]
+  for family in ("llama2", "gemma3"):
+    with pytest.raises(ConfigError, match=rf"^{name}=\S+ is a key of decoder_block=gpt_oss; decoder_block={family} "):
+      make_config(f"decoder_block={family}", key)

@@ -165,7 +165,24 @@ def _check_vocab_tiling(c: dict[str, Any], sequence_shards: int) -> None:
     )
 
 
+def _check_family_keys(c: dict[str, Any]) -> None:
+  """A key group a family declares for itself (its `decoder_blocks` ClassVar) set away from its defaults under another
+  family is one line: that family would silently not compute it."""
+  for group in schema.GROUPS:
+    owners = getattr(group, "decoder_blocks", None)
+    if not owners or c["decoder_block"] in owners:
+      continue
+    for key, field in group.model_fields.items():
+      if c[key] != field.default:
+        shown, default = (str(v).lower() if isinstance(v, bool) else v for v in (c[key], field.default))
+        raise ConfigError(
+          f"{key}={shown} is a key of decoder_block={' | '.join(owners)}; decoder_block={c['decoder_block']} does not "
+          f"compute it (leave it at {default})"
+        )
+
+
 def _check_model_features(c: dict[str, Any]) -> None:
+  _check_family_keys(c)
   families.family(c["decoder_block"]).check(c)
   if c["fused_mlp"] and c["num_experts"] > 1:
     raise ConfigError("fused_mlp=true fuses the dense MLP's kernels; with num_experts > 1 there is none, set it false")

@@ -8,6 +8,8 @@ of the shared layers (attention sinks, expert biases, the clamped gated unit).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import BaseModel, Field, model_validator
 
 from MaxLite.cli.errors import ConfigError
@@ -15,6 +17,8 @@ from MaxLite.cli.errors import ConfigError
 
 class GptOss(BaseModel):
   """GPT-OSS (decoder_block=gpt_oss; MaxText's keys and defaults; false / -1 = off)."""
+
+  decoder_blocks: ClassVar[tuple[str, ...]] = ("gpt_oss",)  # set under another family, these are refused
 
   attention_sink: bool = Field(
     False,
