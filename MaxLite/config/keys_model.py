@@ -40,8 +40,8 @@ class ModelArchitecture(BaseModel):
   )
   decoder_block: str = Field(
     "llama2",
-    description="decoder family (models/): llama2 (= mistral: Llama 2/3, Mistral, Qwen, MoE) | gemma3 | deepseek | "
-    "gpt_oss",
+    description="decoder family: one registered in MaxLite/models/ (llama2 = mistral: Llama 2/3, Mistral, Qwen, MoE; "
+    "the others by their module's name; a wrong name lists them)",
     json_schema_extra={"saved": True},
   )
   base_emb_dim: int = Field(256, gt=0, description="model (embedding) width", json_schema_extra={"saved": True})
