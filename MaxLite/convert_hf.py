@@ -1,5 +1,6 @@
-"""Convert Hugging Face checkpoints to MaxLite checkpoints and back, for every architecture a family in MaxLite/models/
-reads (its HfLayout's `architectures`; a config.json of another architecture gets one line listing those that convert).
+"""Convert Hugging Face checkpoints to MaxLite checkpoints and back: Llama, Mistral, Mixtral, Qwen2, Qwen3,
+Qwen3-MoE, Gemma 3, DeepSeek-V3 and GPT-OSS, its MXFP4 experts too (every architecture a family in MaxLite/models/
+reads).
 
 Usage:
   python MaxLite/convert_hf.py to_maxlite --hf_path=DIR --output_path=CKPT [CONFIG.yml] [key=value ...]
