@@ -29,8 +29,8 @@ LAUNCH = os.path.join(REPO, "MaxLite", "launch_local.py")
 
 
 def env_with_devices(n: int) -> dict[str, str]:
-  # launch_local's environment: n CPU devices, and the other XLA flags kept (tests/conftest.py's FAST_COMPILE: these
-  # processes compile as the tests do).
+  # launch_local's environment: n CPU devices, and the other XLA flags kept (tests/support/fast_compile.py's
+  # FAST_COMPILE: these processes compile as the tests do).
   return process_env(n)
 
 

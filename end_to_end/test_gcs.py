@@ -261,8 +261,8 @@ def two_process_losses(tmp_path_factory):
 
 def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, tmp_path, two_process_losses):
   """Process 1 alone finds step 6 corrupt: both go back to step 3, where each process deciding alone would resume
-  them from different steps. (A network error on one process is retried, tests/test_checkpoint_reads.py; one that
-  outlasts the retries stops both, end_to_end/test_emergency_resume.py.)"""
+  them from different steps. (A network error on one process is retried, tests/checkpoint/test_checkpoint_reads.py;
+  one that outlasts the retries stops both, end_to_end/test_emergency_resume.py.)"""
   remote = (*TWO_PROCESSES, f"base_output_directory=gs://{BUCKET}/runs", "run_name=fault", "enable_checkpointing=true")
 
   def run(steps, fault=None):

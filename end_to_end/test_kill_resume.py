@@ -116,7 +116,7 @@ def test_a_signal_saves_the_step_wherever_the_log_goes(tmp_path, sig, through_te
   """Ctrl-C (SIGINT to the terminal's process group), a hang-up and a scheduler's SIGTERM each save the step the run is
   on and stop it, also when the log goes through `| tee log` and the signal ends tee first (every later write to the
   pipe then fails with EPIPE); Ctrl-C and the hang-up exit 130 and 129 so `train && decode` stops there, SIGTERM 0;
-  the same command resumes from the saved step (a second Ctrl-C: tests/test_training_math.py)."""
+  the same command resumes from the saved step (a second Ctrl-C: tests/training/test_training_math.py)."""
   args = (*TINY, "dataset_type=synthetic", "per_device_batch_size=4", f"base_output_directory={tmp_path}")
   run_args = (*args, "enable_checkpointing=true", "checkpoint_period=1000", "steps=100000")
   metrics, log, status_file = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log"), tmp_path / "status"

@@ -133,7 +133,7 @@ def _downloads_and_own_data(checkout: str) -> None:
 
 def _env() -> dict[str, str]:
   # The user's `python` is this interpreter; one CPU device unless the command sets XLA_FLAGS itself, compiled as the
-  # tests compile (the suite's other XLA flags kept: tests/conftest.py's FAST_COMPILE says why).
+  # tests compile (the suite's other XLA flags kept: tests/support/fast_compile.py's FAST_COMPILE says why).
   env = procs.env_with_devices(1)
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
   env.pop("PYTHONPATH", None)

@@ -1,7 +1,7 @@
 """Written from MaxLite/config/schema.py by `python -m MaxLite.config.generate`: do not edit.
 
 The type of every key a Config holds (lists arrive as tuples), so that `config.steps` is an int to an editor and
-a type checker. Declarations only: `Config.__getattr__` still serves every value. tests/test_schema.py fails
+a type checker. Declarations only: `Config.__getattr__` still serves every value. tests/config/test_schema.py fails
 when this file and the schema differ.
 """
 

@@ -3,8 +3,8 @@
 A key is declared once, as its pydantic Field (keys_model.py, keys_train.py, keys_job.py, or the group a capability
 declares through key_groups.py): its type, default, bounds, one-line description and whether a checkpoint saves it.
 These three files repeat what the Fields say for a reader of YAML, an editor or type checker, and a reader of the
-README, so they are written from the schema rather than by hand, and tests/test_schema.py fails, naming the stale file
-and this command, when one differs from what would be written:
+README, so they are written from the schema rather than by hand, and tests/config/test_schema.py fails, naming the
+stale file and this command, when one differs from what would be written:
 
   python -m MaxLite.config.generate          # rewrite the stale files
   python -m MaxLite.config.generate --check  # name them and exit 1, change nothing
@@ -78,7 +78,7 @@ def yaml_value(value: Any) -> str:
 
 def _wrapped(text: str, first: int, rest: int) -> list[str]:
   """`text` in lines that fit _WIDTH after `first` columns (the first line) and `rest` (the others), joined back with
-  single spaces to the same text (tests/test_schema.py reads base.yml's comments so)."""
+  single spaces to the same text (tests/config/test_schema.py reads base.yml's comments so)."""
   lines = textwrap.wrap(
     text,
     _WIDTH,
@@ -139,7 +139,7 @@ BASE_YML_INTRO = f"""\
 # MaxText where it has the concept. `--describe KEY` on any tool says the same, with the key's type and allowed values.
 #
 # Written from the schema (each key's Field in MaxLite/config/keys_*.py, or in its capability's key group): change the
-# Field and run `{COMMAND}`, not this file; tests/test_schema.py fails when the two differ."""
+# Field and run `{COMMAND}`, not this file; tests/config/test_schema.py fails when the two differ."""
 
 
 def base_yml() -> str:
@@ -192,7 +192,7 @@ CONFIG_KEYS_INTRO = f'''\
 """Written from MaxLite/config/schema.py by `{COMMAND}`: do not edit.
 
 The type of every key a Config holds (lists arrive as tuples), so that `config.steps` is an int to an editor and
-a type checker. Declarations only: `Config.__getattr__` still serves every value. tests/test_schema.py fails
+a type checker. Declarations only: `Config.__getattr__` still serves every value. tests/config/test_schema.py fails
 when this file and the schema differ.
 """
 

@@ -4,12 +4,12 @@ Each field is the one declaration of a key: its type, its default, its one-line 
 saves it. configs/base.yml, config_keys.py and the README's tables of keys are written from these fields
 (`python -m MaxLite.config.generate`); `schema.py` composes these groups with the run's.
 
-Every key here says whether a checkpoint saves it (`json_schema_extra={"saved": ...}`; tests/test_schema.py fails on
-one that does not). True for a key that changes the parameters (their shapes and layout) or the function they compute
+Every key here says whether a checkpoint saves it (`json_schema_extra={"saved": ...}`; tests/config/test_schema.py fails
+on one that does not). True for a key that changes the parameters (their shapes and layout) or the function they compute
 from the tokens: a checkpoint stores it, a run that loads the checkpoint takes it from there unless it sets the key
 itself, and a resume may not change it (`loader.MODEL_KEYS` lists these). False for a key that changes how or at what
-precision the same function is computed (dtypes, quantized matmuls, kernels, tiling, rematerialisation, token
-dropping by capacity) or only how it is trained (dropout, initialisation, auxiliary losses): a run may choose it anew.
+precision the same function is computed (dtypes, quantized matmuls, kernels, tiling, rematerialisation, token dropping
+by capacity) or only how it is trained (dropout, initialisation, auxiliary losses): a run may choose it anew.
 """
 
 from __future__ import annotations

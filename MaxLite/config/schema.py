@@ -8,8 +8,8 @@ value a YAML file or a `key=value` sets through `coerce`; `--help` and `--descri
 nobody sets (mesh shape, global batch, run directories, ...) are the computed fields of `keys_derived.py`'s `Derived`,
 so every key a Config holds is named, typed and described here. configs/base.yml, `config_keys.py` (every key as an
 annotation of `Config`, for editors and type checkers) and the README's tables of keys are written from this schema by
-`python -m MaxLite.config.generate`, and tests/test_schema.py fails when one is stale. Which keys a checkpoint saves
-(`SAVED_KEYS`, the loader's MODEL_KEYS) is each Field's `saved` marker. Nothing here imports jax, so a tool's
+`python -m MaxLite.config.generate`, and tests/config/test_schema.py fails when one is stale. Which keys a checkpoint
+saves (`SAVED_KEYS`, the loader's MODEL_KEYS) is each Field's `saved` marker. Nothing here imports jax, so a tool's
 `--describe` and a config's type errors come before any runtime starts.
 """
 
