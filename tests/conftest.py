@@ -36,12 +36,13 @@ def tmp_outputs(tmp_path):
 # (measured with --durations on 2 cores: seconds per file roughly as listed), so the last file a worker gets is a
 # short one. Real-process files alternate with in-process ones so the two workers' launches overlap less on two cores.
 LONGEST_FILES_FIRST = (
-  "end_to_end/test_readme_as_written.py",  # ~340 s
+  "end_to_end/test_readme_pods.py",  # ~180 s
   "end_to_end/test_gcs.py",  # ~330 s
   "tests/layers/test_quantization.py",  # ~150 s
   "end_to_end/test_multiprocess.py",  # ~260 s
   "tests/layers/test_attention.py",  # ~130 s
   "end_to_end/test_fine_tuning.py",  # ~130 s
+  "end_to_end/test_readme_fine_tuning.py",  # ~110 s
   "tests/models/test_deepseek.py",  # ~75 s
   "tests/checkpoint/test_hf_models.py",  # ~50 s
   "tests/planning/test_plan.py",  # ~110 s
@@ -49,6 +50,9 @@ LONGEST_FILES_FIRST = (
   "tests/training/test_lora.py",  # ~100 s
   "tests/parallel/test_parallelism.py",  # ~100 s
   "end_to_end/test_kill_resume.py",  # ~100 s
+  "end_to_end/test_readme_ensembles_and_processes.py",  # ~65 s
+  "end_to_end/test_readme_checkpoints.py",  # ~60 s
+  "end_to_end/test_readme_first_steps.py",  # ~45 s
   "tests/training/test_memory_options.py",
   "end_to_end/test_benchmark_and_profile.py",
   "tests/commands/test_cli.py",

@@ -11,7 +11,7 @@ What runs how, to stay well under a minute on 2 cores:
 - everything else (train.py, decode.py, convert_hf.py, train_compile.py, plan.py, launch_local.py, checkpoint_info.py,
   the pod scripts) gets only the --help and key checks: it needs a TPU, gcloud, a download or a checkpoint, or
   compiles for longer than this file may take. `.ci/run` runs the README's first two commands for real, and
-  end_to_end/test_readme_as_written.py runs every command the README shows.
+  the end_to_end/test_readme_*.py files run every command the README shows.
 """
 
 from __future__ import annotations

@@ -1,0 +1,37 @@
+"""The README's first part, run as written (end_to_end/readme.py says how): the two commands, other settings,
+your own data, configuration. Also what holds for the whole README: every skip rule is used, every tool runs, every
+part has its file."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import readme
+
+pytestmark = pytest.mark.slow  # see pytest.ini: the quick tier leaves these out
+
+PART = "first_steps"
+
+ran = readme.ran_fixture(PART)
+test_readme_step = readme.step_test(PART)
+
+
+def test_every_skip_reason_is_used_and_every_tool_runs():
+  """A skip rule nothing matches is stale; and each tool the README shows runs at least once."""
+  commands = [step for step in readme.STEPS if step.kind == "bash"]
+  unused = [pattern for pattern, _ in readme.SKIPPED if not any(re.search(pattern, c.body) for c in commands)]
+  assert not unused, f"skip rules that match no README line: {unused}"
+  run = " ".join(c.body for c in commands if not readme.skip_reason(c))
+  for tool in ("train.py", "decode.py", "convert_hf.py", "train_compile.py", "plan.py", "launch_local.py"):
+    assert f"MaxLite/{tool}" in run, tool
+  assert any(step.kind == "python" for step in readme.STEPS)
+
+
+def test_every_part_runs_in_its_own_file_and_every_step_in_one_part():
+  here = os.path.dirname(os.path.abspath(__file__))
+  for part, _ in readme.PARTS:
+    with open(os.path.join(here, f"test_readme_{part}.py"), encoding="utf-8") as f:
+      assert f'\nPART = "{part}"\n' in f.read(), part
+  assert [step for part, _ in readme.PARTS for step in readme.steps_of(part)] == readme.STEPS
