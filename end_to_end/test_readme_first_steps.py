@@ -35,3 +35,24 @@ def test_every_part_runs_in_its_own_file_and_every_step_in_one_part():
     with open(os.path.join(here, f"test_readme_{part}.py"), encoding="utf-8") as f:
       assert f'\nPART = "{part}"\n' in f.read(), part
   assert [step for part, _ in readme.PARTS for step in readme.steps_of(part)] == readme.STEPS
+
+
+def test_the_first_run_logs_every_step_to_metrics_and_tensorboard(ran):
+  """The first command as written (configs/base.yml as shipped: grain over assets/corpus, sentencepiece): every step's
+  row holds what the README's metrics table lists, tensorboard reads the same losses, the start-up summary prints the
+  derived values. That it learns: .ci/run runs it for its 200 steps and checks the loss falls."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  rows = readme.metric_rows(ran, "first")
+  steps = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2]  # the cap's steps=2
+  for key in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device"):
+    assert all(key in r for r in steps), key
+  assert [r["step"] for r in rows if "eval_loss" in r] == [2]  # the last step evaluates
+  accumulator = EventAccumulator(os.path.join(ran["checkout"], "outputs", "first", "tensorboard"))
+  accumulator.Reload()
+  losses = accumulator.Scalars("learning/loss")
+  assert [e.step for e in losses] == [1, 2]
+  assert abs(losses[-1].value - steps[-1]["loss"]) < 1e-5
+  printed = readme.output(ran, r"^L\d+ python train\.py run_name=first$")
+  assert "global_batch_size_to_train_on = 4" in printed and "num_params" in printed
