@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax.linen import partitioning as nn_partitioning
-from support.config import first_devices, make_config
+from support.config import TINY, first_devices, make_config
 from support.end_to_end import procs
 
 from MaxLite.checkpoint.info import describe
@@ -26,13 +26,11 @@ from MaxLite.training.train_step import jit_eval_step
 from MaxLite.training.trainer import initial_state, train
 
 BASE = (
-  "model_name=tiny",
-  "max_target_length=64",
+  *TINY,
   "per_device_batch_size=4",
-  "enable_tensorboard=false",
   "learning_rate=1e-2",
   "learning_rate_schedule_steps=8",
-  "eval_interval=-1",  # the last step's eval: the tests that evaluate ask for it
+  "eval_interval=-1",  # no eval: the tests that evaluate ask for it
 )
 
 

@@ -12,6 +12,10 @@ from support.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE_YML = os.path.join(REPO, "configs", "base.yml")
+# What every tiny in-process run starts from (each file adds what its tests are about: data, steps, learning rate,
+# checkpoints): the tiny model on 64-token rows, no tensorboard files. eval_interval=-1 turns eval off; the tests that
+# evaluate set it.
+TINY = ("model_name=tiny", "max_target_length=64", "enable_tensorboard=false")
 
 
 def make_config(*overrides: str, num_devices: int = 1):

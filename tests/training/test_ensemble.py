@@ -8,20 +8,18 @@ import os
 import flax.linen as nn
 import numpy as np
 import pytest
-from support.config import first_devices, make_config, run_train_cli
+from support.config import TINY, first_devices, make_config, run_train_cli
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.training.trainer import train
 
 RUN = (
-  "model_name=tiny",
-  "max_target_length=64",
+  *TINY,
   "dataset_type=synthetic",
-  "enable_tensorboard=false",
   "warmup_steps_fraction=0.0",
   "enable_checkpointing=false",
   "steps=3",
-  "eval_interval=-1",  # the last step's eval: the tests that evaluate ask for it
+  "eval_interval=-1",  # no eval: the tests that evaluate ask for it
 )
 
 

@@ -12,7 +12,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from support.config import BASE_YML, first_devices, make_config
+from support.config import BASE_YML, TINY, first_devices, make_config
 
 from MaxLite.checkpoint.manager import saved_arrays
 from MaxLite.cli.errors import ConfigError, InputError
@@ -21,13 +21,11 @@ from MaxLite.training.trainer import train
 
 COMMON = (
   "use_grpo=true",
-  "model_name=tiny",
-  "max_target_length=64",
+  *TINY,
   "max_prefill_predict_length=40",
   "max_decode_steps=12",
   "per_device_batch_size=8",
   "num_generations=4",
-  "enable_tensorboard=false",
   "eval_interval=-1",
   "learning_rate=1e-2",
   "warmup_steps_fraction=0.0",

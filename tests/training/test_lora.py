@@ -8,7 +8,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from support.config import REPO, first_devices, make_config
+from support.config import REPO, TINY, first_devices, make_config
 from support.layouts import DENSE, loss_curves, train_layout
 
 from MaxLite.checkpoint.manager import saved_arrays
@@ -18,10 +18,8 @@ from MaxLite.training.trainer import train
 pytest.importorskip("qwix")
 
 COMMON = (
-  "model_name=tiny",
-  "max_target_length=64",
+  *TINY,
   "per_device_batch_size=4",
-  "enable_tensorboard=false",
   "learning_rate=3e-3",
   "warmup_steps_fraction=0.0",
 )

@@ -13,21 +13,13 @@ import threading
 import time
 
 import pytest
-from support.config import first_devices, make_config
+from support.config import TINY, first_devices, make_config
 from support.end_to_end import LocalGCS, procs
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.training import run_lock
 
-TINY = (
-  "model_name=tiny",
-  "max_target_length=64",
-  "per_device_batch_size=1",
-  "dataset_type=synthetic",
-  "enable_tensorboard=false",
-  "eval_interval=-1",
-  "run_name=r",
-)
+RUN = (*TINY, "per_device_batch_size=1", "dataset_type=synthetic", "eval_interval=-1", "run_name=r")
 
 
 def _error_lines(log: str) -> list[str]:
@@ -45,7 +37,7 @@ def _dead_pid() -> int:
 @pytest.mark.slow
 def test_a_second_run_on_a_live_run_directory_stops_with_one_line(tmp_path):
   lock, metrics = tmp_path / "r" / run_lock.LOCK_FILE, str(tmp_path / "r" / "metrics.jsonl")
-  args = (*TINY, f"base_output_directory={tmp_path}", "enable_checkpointing=true", "checkpoint_period=100000")
+  args = (*RUN, f"base_output_directory={tmp_path}", "enable_checkpointing=true", "checkpoint_period=100000")
   first_log, second_log = str(tmp_path / "first.log"), str(tmp_path / "second.log")
   first = procs.start(procs.train_command(*args, "steps=100000"), first_log)
   try:
@@ -70,7 +62,7 @@ def test_a_second_run_on_a_live_run_directory_stops_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   lock, metrics = tmp_path / "r" / run_lock.LOCK_FILE, str(tmp_path / "r" / "metrics.jsonl")
-  args = (*TINY, f"base_output_directory={tmp_path}")
+  args = (*RUN, f"base_output_directory={tmp_path}")
   log = str(tmp_path / "log")
   killed = procs.start(procs.train_command(*args, "steps=100000"), log)
   procs.wait_for_step(killed, metrics, 1, log)
@@ -98,7 +90,7 @@ def test_a_killed_owner_not_yet_reaped_holds_no_lock():
 
 
 def _config(tmp_path, *overrides):
-  return make_config(*TINY, f"base_output_directory={tmp_path}", *overrides)
+  return make_config(*RUN, f"base_output_directory={tmp_path}", *overrides)
 
 
 def test_lock_records_the_owner_refuses_a_second_holder_and_is_released_on_error(tmp_path, caplog):
@@ -127,7 +119,7 @@ def test_an_unwritable_output_directory_is_one_line_at_start(tmp_path, under):
   else:
     base = "/proc/maxlite_outputs"  # nobody, root included, can create entries there
   log = str(tmp_path / "log")
-  assert procs.run(procs.train_command(*TINY, f"base_output_directory={base}", "steps=1"), log) == 2, procs.tail(log)
+  assert procs.run(procs.train_command(*RUN, f"base_output_directory={base}", "steps=1"), log) == 2, procs.tail(log)
   errors = _error_lines(log)
   assert len(errors) == 1, procs.tail(log)
   assert errors[0].startswith(f"error: base_output_directory={base}: cannot write the run directory {base}/r ("), errors
@@ -151,7 +143,7 @@ def bucket(tmp_path_factory):
 
 def test_gs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(bucket, caplog):
   server, url = bucket
-  config = make_config(*TINY, f"base_output_directory={url}/runs")
+  config = make_config(*RUN, f"base_output_directory={url}/runs")
   name = f"runs/r/{run_lock.LOCK_FILE}"
   lock = run_lock.acquire(config)
   try:
@@ -206,7 +198,7 @@ def test_gs_lock_writes_only_over_its_own_generation(bucket):
 def test_gs_heartbeat_never_overwrites_a_new_owner_and_marks_the_lock_lost(bucket, monkeypatch, caplog):
   server, url = bucket
   monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
-  config = make_config(*TINY, f"base_output_directory={url}/beat")
+  config = make_config(*RUN, f"base_output_directory={url}/beat")
   name = f"beat/r/{run_lock.LOCK_FILE}"
   lock = run_lock.acquire(config)
   try:
@@ -224,7 +216,7 @@ def test_gs_heartbeat_never_overwrites_a_new_owner_and_marks_the_lock_lost(bucke
 
 def test_a_run_whose_gs_lock_is_taken_over_stops_before_its_next_save(bucket, tmp_path):
   server, url = bucket
-  args = (*TINY, f"base_output_directory={url}/runs", "run_name=taken", "enable_checkpointing=true")
+  args = (*RUN, f"base_output_directory={url}/runs", "run_name=taken", "enable_checkpointing=true")
   log = str(tmp_path / "log")
   run = procs.start(procs.train_command(*args, "checkpoint_period=10", "steps=100000"), log)
   deadline = time.monotonic() + 120
@@ -247,7 +239,7 @@ def test_every_process_of_a_job_stops_when_process_0_is_refused_the_lock(bucket,
   server, url = bucket
   server.upload("locks", f"runs/busy/{run_lock.LOCK_FILE}", _foreign_lock())
   log = str(tmp_path / "log")
-  command = procs.launch_command(2, 1, *TINY, f"base_output_directory={url}/runs", "run_name=busy", "steps=3")
+  command = procs.launch_command(2, 1, *RUN, f"base_output_directory={url}/runs", "run_name=busy", "steps=3")
   assert procs.run(command, log, timeout=180) != 0
   output = procs.tail(log, lines=400)
   assert re.search(r"error: run directory \S+/runs/busy is in use by pid 1 on host elsewhere", output), output
@@ -267,7 +259,7 @@ def test_gs_lock_is_lost_once_its_heartbeat_has_failed_for_the_stale_time(bucket
   server, url = bucket
   monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
   monkeypatch.setattr(run_lock, "STALE_AFTER_S", 1.5)
-  lock = run_lock.acquire(make_config(*TINY, f"base_output_directory={url}/silent"))
+  lock = run_lock.acquire(make_config(*RUN, f"base_output_directory={url}/silent"))
   try:
     monkeypatch.setattr(storage, "replace_generation", _silent_bucket)
     monkeypatch.setattr(storage, "read_generation", _silent_bucket)
@@ -291,7 +283,7 @@ def test_a_hung_bucket_request_holds_up_no_save_past_the_locks_deadline(bucket, 
   server, url = bucket
   monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
   monkeypatch.setattr(run_lock, "STALE_AFTER_S", 1.0)
-  lock = run_lock.acquire(make_config(*TINY, f"base_output_directory={url}/hung"))
+  lock = run_lock.acquire(make_config(*RUN, f"base_output_directory={url}/hung"))
   never = threading.Event()
   try:
     hang = lambda *args, **kwargs: never.wait()  # noqa: E731
@@ -321,7 +313,7 @@ def test_metrics_are_not_written_once_the_lock_is_lost(bucket, monkeypatch):
   server, url = bucket
   monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
   monkeypatch.setattr(run_lock, "STALE_AFTER_S", 0.5)
-  config = make_config(*TINY, f"base_output_directory={url}/rows", "log_period=1")
+  config = make_config(*RUN, f"base_output_directory={url}/rows", "log_period=1")
   metrics = {"loss": 2.0, "learning_rate": 1e-3, "grad_norm": 1.0}
   with pytest.raises(run_lock.LockLostError, match=r"no successful heartbeat .*; stopping before writing the metrics"):
     with run_lock.hold(config) as guard, StepLog(config, guard) as log:
@@ -342,7 +334,7 @@ def test_a_run_without_checkpoints_checks_its_lock_before_writing_metrics(bucket
   server, url = bucket
   monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
   monkeypatch.setattr(run_lock, "STALE_AFTER_S", 0.5)
-  config = make_config(*TINY, f"base_output_directory={url}/runs", "run_name=nockpt", "enable_checkpointing=false")
+  config = make_config(*RUN, f"base_output_directory={url}/runs", "run_name=nockpt", "enable_checkpointing=false")
   with pytest.raises(run_lock.LockLostError, match=r"stopping before writing the metrics of step 1\b"):
     with run_lock.hold(config) as guard:
       monkeypatch.setattr(storage, "replace_generation", _silent_bucket)
