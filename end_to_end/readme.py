@@ -43,6 +43,12 @@ SKIPPED = (
   (r"gs://", "needs a Cloud Storage bucket"),
   (r"^srun ", "needs a SLURM cluster with GPUs"),
   (r"^tokenizer_(type|path)=", "a fragment of the command lines above, not a command"),
+  (
+    r"train_compile\.py .*model_name=llama2-7b",
+    "a pod-scale libtpu compile like the llama2-70b one this file runs (a minute of libtpu each); "
+    "tests/aot/test_train_compile.py compiles the step for v5p and tests/project/test_readme_commands.py checks the "
+    "line's tool, keys and values",
+  ),
 )
 # The parts, in README order: (name, the heading it starts at). Each runs up to the next part's heading.
 PARTS = (
