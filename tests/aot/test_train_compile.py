@@ -41,10 +41,18 @@ def _value(text, label):
   return float(re.search(rf"{label}\s+([\d.]+) (MiB|GiB)", text).group(1))
 
 
-def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tmp_path):
-  out = tmp_path / "step.bin"
+@pytest.fixture(scope="module")
+def tiny_on_cpu_8(tmp_path_factory):
+  """One compile of the tiny model for cpu-8, the executable saved: (the process, the executable's path), read by the
+  two tests below."""
+  out = tmp_path_factory.mktemp("cpu_8") / "step.bin"
   proc = _compile("model_name=tiny", "compile_topology=cpu-8", f"compiled_trainstep_file={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc, out
+
+
+def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tiny_on_cpu_8):
+  proc, out = tiny_on_cpu_8
   text = proc.stdout
   assert "compiled train step for cpu-8 x 1 slice(s) (8 devices, mesh fsdp=8)" in text
   # 1.15M float32 params over 8 devices = 0.55 MiB each; Adam keeps two moments of the same size.
@@ -93,7 +101,7 @@ def test_compiled_flops_are_printed_only_for_a_program_without_loops():
   assert line.startswith(f"FLOPs per device per step: compiled {flat_flops / 1e9:.2f} GFLOP, model 0.00 GFLOP")
 
 
-def test_tiny_on_cpu_8_names_each_buffer_at_the_peak_with_its_role_and_size():
+def test_tiny_on_cpu_8_names_each_buffer_at_the_peak_with_its_role_and_size(tiny_on_cpu_8):
   """The weights and the optimizer state live at the peak are named as such, at the bytes one device holds of them
   (the parameters' and Adam moments' shards on fsdp=8, counted here from the shardings), one buffer per line."""
   import jax
@@ -107,8 +115,7 @@ def test_tiny_on_cpu_8_names_each_buffer_at_the_peak_with_its_role_and_size():
   from MaxLite.training.optimizer import create_optimizer
   from MaxLite.training.train_state import abstract_state
 
-  proc = _compile("model_name=tiny", "compile_topology=cpu-8")
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc, _ = tiny_on_cpu_8
   config = make_config("model_name=tiny", num_devices=8)
   mesh = create_mesh(config, first_devices(8))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(sharding.axis_rules(config)):
