@@ -17,9 +17,7 @@ import pytest
 # part of the suite's time. Only in these processes: the train.py processes a test starts keep their own settings.
 jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxlite-test-xla-cache"))
 # Programs of 0.1 s and more (not the many small eager ops): with FAST_COMPILE most train steps of the tiny models
-# compile in under 0.5 s, the threshold this had before, so they were compiled again by every test and every run
-# (tests/training/test_lora.py, tests/training/test_ensemble.py, tests/checkpoint/test_checkpointing.py,
-# tests/parallel/test_parallelism.py with a warm cache: 136 s -> 110 s).
+# compile in under 0.5 s, jax's default threshold of 1 s would keep none of them.
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_compilation_cache_max_size", 2 << 30)  # least recently used entries go first
