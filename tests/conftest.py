@@ -36,7 +36,7 @@ def tmp_outputs(tmp_path):
 LONGEST_FILES_FIRST = (
   "end_to_end/test_readme_pods.py",  # ~180 s
   "end_to_end/test_gcs.py",  # ~330 s
-  "tests/layers/test_quantization.py",  # ~150 s
+  "tests/layers/test_quantization.py",  # ~55 s
   "end_to_end/test_multiprocess.py",  # ~260 s
   "tests/layers/test_attention.py",  # ~130 s
   "end_to_end/test_fine_tuning.py",  # ~130 s
@@ -47,6 +47,7 @@ LONGEST_FILES_FIRST = (
   "tests/training/test_ensemble.py",  # ~110 s
   "tests/training/test_lora.py",  # ~100 s
   "tests/parallel/test_parallelism.py",  # ~100 s
+  "tests/parallel/test_feature_layouts.py",  # ~50 s
   "end_to_end/test_kill_resume.py",  # ~100 s
   "end_to_end/test_readme_ensembles_and_processes.py",  # ~65 s
   "end_to_end/test_readme_checkpoints.py",  # ~60 s

@@ -1,6 +1,6 @@
-"""Named remat (MaxText's presets and remat_policy=custom), fused_qkv / fused_mlp and the activation sharding rules:
-each equals the plain one-device model, on 8 simulated devices split tensor x fsdp, tensor x sequence and over
-experts."""
+"""Named remat (MaxText's presets and remat_policy=custom), fused_qkv / fused_mlp and the iota embedding: each equals
+the plain one-device model. remat_policy=custom and the fused kernels on 8 devices (fsdp x sequence x tensor, and over
+experts) are rows of tests/parallel/test_feature_layouts.py."""
 
 import functools
 import re
@@ -103,36 +103,19 @@ def reference(kind):
   return params, _loss_and_grads(config, params, first_devices(1))
 
 
-CUSTOM = ("remat_policy=custom", "decoder_layer_input=offload", "query_proj=device", "key_proj=offload")
-CUSTOM += ("value_proj=device", "qkv_proj=offload", "out_proj=offload", "mlpwi_0=device", "mlpwi=device")
-CUSTOM += ("mlpwo=offload", "moe_mlpwi_0=offload", "moe_mlpwo=device", "context=device")
-LAYOUTS = {
-  "tensor2_fsdp4": ("dense", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
-  "tensor2_sequence2_fsdp2": (
-    "dense",
-    "ici_tensor_parallelism=2",
-    "ici_sequence_parallelism=2",
-    "ici_fsdp_parallelism=2",
-  ),
-  "expert4_tensor2": ("moe", "ici_expert_parallelism=4", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1"),
-}
+LAYOUTS = {"tensor2_fsdp4": ("dense", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=4")}
 
 
-# Each layout once, dense separate and fused on different meshes (both split tensor), MoE both ways.
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "layout, fused",
-  [("tensor2_fsdp4", False), ("tensor2_sequence2_fsdp2", True), ("expert4_tensor2", False), ("expert4_tensor2", True)],
-  ids=["separate-tensor2_fsdp4", "fused-tensor2_sequence2_fsdp2", "separate-expert4_tensor2", "fused-expert4_tensor2"],
-)
-def test_custom_remat_and_fused_kernels_on_8_devices_equal_the_plain_model(layout, fused):
-  kind, *mesh = LAYOUTS[layout]
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_fused_kernels_equal_the_separate_ones(kind):
+  """fused_qkv (and fused_mlp, the dense MLP's) holding the separate kernels stacked give the plain model's loss and
+  gradients. On 8 devices, with remat_policy=custom offloading their activations, they are a row of
+  tests/parallel/test_feature_layouts.py."""
   params, want = reference(kind)
-  options = ("fused_qkv=true", "fused_mlp=true" if kind == "dense" else "fused_mlp=false") if fused else ()
-  config = make_config(*MODELS[kind], *CUSTOM, *options, *mesh, "per_device_batch_size=1", num_devices=8)
-  assert choices.placement(config).offloaded  # the policy really moves activations to the host
-  got_loss, got_grads = _loss_and_grads(config, _fuse(params) if fused else params, first_devices(8))
-  _assert_same((got_loss, _unfuse(got_grads) if fused else got_grads), want)
+  options = ("fused_qkv=true", "fused_mlp=true" if kind == "dense" else "fused_mlp=false")
+  config = make_config(*MODELS[kind], *options, "remat_policy=none")
+  got_loss, got_grads = _loss_and_grads(config, _fuse(params), first_devices(1))
+  _assert_same((got_loss, _unfuse(got_grads)), want)
 
 
 PRESETS = [p for p in choices.REMAT_POLICIES if p not in ("none", "custom")]

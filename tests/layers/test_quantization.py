@@ -1,6 +1,7 @@
 """Quantized training through Qwix (quantization=int8|fp8|fp8_full): a projection's output and gradients are Qwix's
 own quantized dot_general on the same arrays; the attention scores and the head stay unquantized; training with int8
-follows the unquantized run closely but not exactly; the checkpoint stays full precision; bad keys are one line."""
+follows the unquantized run closely but not exactly; the checkpoint stays full precision; bad keys are one line. int8
+on 8 devices (one device's int8 matmuls, its first loss) is a row of tests/parallel/test_feature_layouts.py."""
 
 import dataclasses
 import re
@@ -13,8 +14,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.config import REPO, first_devices, make_config
-from support.layouts import DENSE, loss_curves, train_layout
-from support.layouts import RUN as LAYOUT_RUN
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.layers.linears import DenseGeneral
@@ -190,70 +189,6 @@ def test_int8_training_follows_full_precision_resumes_exactly_and_its_checkpoint
   from support.hf import export_gives_maxlite_logits
 
   export_gives_maxlite_logits(str(tmp_path / "int8" / "checkpoints" / "30"), str(tmp_path / "hf"))
-
-
-DEEPSEEK = ("model_name=tiny-deepseek", "sparse_matmul=false")
-
-
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-  """(model, quantization overrides) -> (losses, grad norms) of its run on one device, remat full, computed once."""
-  cache = {}
-
-  def reference(model, quantization=()):
-    if (model, quantization) not in cache:
-      rows = train_layout(tmp_path_factory.mktemp("one"), 1, *model, *quantization, "per_device_batch_size=8")
-      cache[model, quantization] = np.array(loss_curves(rows))
-    return cache[model, quantization]
-
-  return reference
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "model, mesh",
-  [
-    (DENSE, ("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1", "remat_policy=minimal")),
-    (DENSE, ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "remat_policy=none")),
-    (DENSE, ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2", "remat_policy=save_qkv_proj")),
-    (DENSE, ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")),
-    (DEEPSEEK, ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")),
-  ],
-  ids=["tensor8_minimal", "data2_fsdp2_tensor2_none", "sequence4_fsdp2_qkv", "stage2_fsdp4", "deepseek_expert2"],
-)
-def test_int8_layouts_and_remat_policies_train_like_one_device(one_device, tmp_path, model, mesh):
-  """Each int8 layout (and remat policy, which only decides what is recomputed) runs the same int8 matmuls as one
-  device, MoE included (its shared experts), and trains like the one-device int8 run. Not equal to 1e-5 as unquantized
-  layouts are: a projection rounds as one device does on the same inputs (test above), but its inputs differ from one
-  device's in the last float bits (sums in another order), a few values then round to the next int8 step, and each
-  layer after amplifies that (a MoE router's top-k flips). So the first loss, the forward pass at the same initial
-  parameters, must be at least twice as close to the one-device int8 run's as to the unquantized run's (a layout that
-  skipped quantization would sit on the latter). Before Qwix's reciprocal mode this failed for tiny-deepseek on an
-  Intel Xeon: the layout's rounding moved its first loss by 0.016, int8 itself by 0.009."""
-  overrides = (*model, *INT8, *LAYOUT_RUN, "run_name=run", f"base_output_directory={tmp_path}")
-  one_device_layout = [m for m in mesh if m.startswith("remat_policy")]
-  int8_dots = {
-    n: _int8_dots(make_config(*overrides, *args, num_devices=n), n)
-    for n, args in ((8, ("per_device_batch_size=1", *mesh)), (1, ("per_device_batch_size=8", *one_device_layout)))
-  }
-  assert int8_dots[8] == int8_dots[1] > 0, int8_dots
-  first = loss_curves(train_layout(tmp_path, 8, *model, *INT8, "per_device_batch_size=1", *mesh))[0][0]
-  from_int8, from_plain = abs(first - one_device(model, INT8)[0][0]), abs(first - one_device(model)[0][0])
-  print(f"first loss {first:.6f}: {from_int8:.2e} from one-device int8, {from_plain:.2e} from unquantized")
-  if model == DEEPSEEK:
-    # Not decisive for the MoE model on every CPU: on a 2-core Intel Xeon VM (2026-12-06, main at 74bc467 as well)
-    # the layout's first loss sits 1.48e-2 from the one-device int8 run and 1.40e-2 from the unquantized one (router
-    # top-k flips amplify the last-bit differences more than int8 moves the loss): the int8 dot count is its check.
-    return
-  assert from_int8 < from_plain / 2
-
-
-def _int8_dots(config, n):
-  """The int8 x int8 matmuls of the lowered train step (before XLA: each written matmul once)."""
-  from MaxLite.aot.compile_step import lower_train_step
-
-  text = lower_train_step(config, first_devices(n))[0].as_text()
-  return len(re.findall(r"dot_general.*: \(tensor<[0-9x]*xi8>, tensor<[0-9x]*xi8>\)", text))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,10 @@
 """The tiny training runs that the layout tests compare with one device: a few steps on synthetic data, no
-checkpoints, each step's loss and gradient norm (tests/parallel/test_parallelism.py and each family's and feature's
-own layout tests)."""
+checkpoints, each step's loss and gradient norm (tests/parallel/test_parallelism.py, tests/parallel/
+test_feature_layouts.py and each family's own layout tests). cached_rows keeps a reference run per test process."""
+
+import functools
+import tempfile
+import types
 
 from MaxLite.training.trainer import train
 from support.config import first_devices, make_config
@@ -23,6 +27,16 @@ def train_layout(tmp_path, num_devices, *overrides):
   config = make_config(*RUN, f"base_output_directory={tmp_path}", "run_name=run", *overrides, num_devices=num_devices)
   rows = train(config, first_devices(num_devices))
   return rows
+
+
+@functools.cache
+def cached_rows(num_devices, *overrides):
+  """train_layout's rows for these overrides, run once per test process (each xdist worker) and then shared by every
+  test and file that asks for the same overrides in the same order: the reference runs (one device; a layout without
+  a feature) that several tests compare with. Read-only: a tuple of read-only mappings."""
+  with tempfile.TemporaryDirectory() as tmp:  # nothing reads the run's directory after it (no checkpoints)
+    rows = train_layout(tmp, num_devices, *overrides)
+  return tuple(types.MappingProxyType(dict(row)) for row in rows)
 
 
 def loss_curves(rows):

@@ -1,4 +1,6 @@
-"""Memory options: vocabulary-tiled and -sliced losses, MLP token chunks, host offload, the largest buffers."""
+"""Memory options: vocabulary-tiled and -sliced losses, MLP token chunks, host offload, the largest buffers. Training
+with each of them on 8 devices (exactly as the same layout without it) is a row of tests/parallel/
+test_feature_layouts.py; here are their math, their memory and traffic, and their one-line errors."""
 
 import json
 import os
@@ -16,7 +18,6 @@ from MaxLite.cli.errors import ConfigError
 from MaxLite.data import BATCH_KEYS
 from MaxLite.objectives import cross_entropy as loss
 from MaxLite.parallel import topologies
-from MaxLite.training.trainer import train
 
 RUN = (
   "model_name=tiny",
@@ -30,12 +31,6 @@ RUN = (
   "z_loss_multiplier=1e-3",
   "enable_checkpointing=false",
 )
-
-
-def _losses(tmp_path, *overrides, num_devices=1):
-  config = make_config(*RUN, f"base_output_directory={tmp_path}", *overrides, num_devices=num_devices)
-  rows = train(config, first_devices(num_devices))
-  return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
 
 
 @pytest.mark.parametrize("split, n", [("tokens", 2), ("tokens", 8), ("vocabulary", 2), ("vocabulary", 8)])
@@ -103,34 +98,6 @@ def test_tiled_bfloat16_loss_adds_the_head_gradient_in_float32():
   assert error(tiled) <= 1.5 * error(total(1, jnp.bfloat16))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tied", ["false", "true"])
-def test_training_with_vocab_tiling_matches_untiled(tmp_path, tied):
-  tied = f"logits_via_embedding={tied}"
-  np.testing.assert_allclose(
-    _losses(tmp_path, tied, "num_vocab_tiling=4", "run_name=tiled"),
-    _losses(tmp_path, tied, "run_name=untiled"),
-    rtol=1e-5,
-  )
-
-
-@pytest.mark.slow
-def test_vocab_tiling_on_8_devices_with_sequence_and_tensor_split(tmp_path):
-  # Tiled against untiled on the same 8 devices: the option alone. (Against one device this layout's second grad
-  # norm is 1.1e-5 off on some CPUs, tiled or not; layouts against one device are test_parallelism's concern.)
-  layout = (
-    "ici_fsdp_parallelism=2",
-    "ici_sequence_parallelism=2",
-    "ici_tensor_parallelism=2",
-    "per_device_batch_size=0.5",
-  )
-  np.testing.assert_allclose(
-    _losses(tmp_path, "num_vocab_tiling=4", *layout, "run_name=t8", num_devices=8),
-    _losses(tmp_path, *layout, "run_name=u8", num_devices=8),
-    rtol=1e-5,
-  )
-
-
 def test_vocab_tiling_that_cannot_split_the_sequence_is_one_line():
   with pytest.raises(ConfigError, match=r"num_vocab_tiling=3 must divide max_target_length=128"):
     make_config(*RUN, "num_vocab_tiling=3")
@@ -181,25 +148,6 @@ def test_auto_vocab_slices_keep_the_logits_per_device_under_256_mib():
 def test_bad_vocab_slices_are_one_line(overrides, error):
   with pytest.raises(ConfigError, match=error):
     make_config(*RUN, *overrides)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "overrides",
-  [
-    # (an untied head split over tensor with the batch over fsdp is the MoE row's: the MLP does not reach the loss)
-    ("logits_via_embedding=true", "ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
-    ("model_name=tiny-moe", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
-  ],
-  ids=["tied_fsdp2_sequence2_tensor2", "moe_expert2_fsdp2_tensor2"],
-)
-def test_training_with_vocab_slices_on_8_devices_matches_whole_logits_on_one(tmp_path, overrides):
-  one_device = [o for o in overrides if not o.startswith("ici_")]
-  np.testing.assert_allclose(
-    _losses(tmp_path, "num_vocab_slices=4", "per_device_batch_size=0.5", *overrides, "run_name=s8", num_devices=8),
-    _losses(tmp_path, "num_vocab_slices=1", *one_device, "run_name=one"),
-    rtol=1e-5,
-  )
 
 
 def test_mlp_in_token_chunks_never_holds_all_its_activations():
@@ -286,48 +234,6 @@ def test_mlp_chunks_move_no_more_between_devices_than_the_whole_mlp(layout):
   whole, chunked = moved_bytes(1), moved_bytes(8)
   print(f"collective bytes per step: whole MLP {whole:.0f}, 8 parts {chunked:.0f}")
   assert whole > 0 and chunked <= 1.05 * whole, (whole, chunked)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "overrides",
-  [
-    ("remat_policy=full", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-    (
-      "remat_policy=full",
-      "fused_mlp=true",
-      "ici_fsdp_parallelism=2",
-      "ici_sequence_parallelism=2",
-      "ici_tensor_parallelism=2",
-    ),
-    ("remat_policy=minimal", "ici_fsdp_parallelism=8", "per_device_batch_size=1"),
-  ],
-  ids=["full_fsdp4_tensor2", "full_fused_fsdp2_sequence2_tensor2", "minimal_fsdp8"],
-)
-def test_training_with_mlp_chunks_equals_the_whole_mlp_on_8_devices(tmp_path, overrides):
-  run = ("per_device_batch_size=0.5", *overrides)  # a later per_device_batch_size wins
-  np.testing.assert_allclose(
-    _losses(tmp_path, "num_mlp_chunks=4", *run, "run_name=chunks", num_devices=8),
-    _losses(tmp_path, "num_mlp_chunks=1", *run, "run_name=whole", num_devices=8),
-    rtol=1e-5,
-  )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "overrides",
-  [
-    ("remat_policy=minimal_offloaded",),
-    ("remat_policy=qkv_proj_offloaded",),
-    ("remat_policy=save_dot_except_mlp_offloaded",),
-    ("parameter_memory_host_offload=true", "optimizer_memory_host_offload=true"),
-  ],
-  ids=["minimal_offloaded", "qkv_proj_offloaded", "save_dot_except_mlp_offloaded", "state_offload"],
-)
-def test_host_offload_trains_like_device_memory(tmp_path, overrides):
-  np.testing.assert_allclose(
-    _losses(tmp_path, *overrides, "run_name=offloaded"), _losses(tmp_path, "run_name=device"), rtol=1e-6
-  )
 
 
 def test_offloaded_state_lives_in_host_memory_and_the_step_moves_it(tmp_path):
