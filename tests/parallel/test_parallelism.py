@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax.linen import partitioning as nn_partitioning
 from support.config import BASE_YML, REPO, first_devices, make_config
-from support.layouts import DENSE, RUN, loss_curves, train_layout
+from support.layouts import DENSE, RUN, cached_rows, loss_curves, train_layout
 
 from MaxLite.aot.compile_step import lower_train_step
 from MaxLite.cli.errors import ConfigError
@@ -27,16 +27,16 @@ from MaxLite.training.train_state import abstract_state
 MOE = ("model_name=tiny-moe",)
 
 
+# The one-device references: support.layouts.cached_rows, run once per test process for every file that asks for the
+# same overrides.
 @pytest.fixture(scope="module")
-def dense_reference(tmp_path_factory):
-  return loss_curves(train_layout(tmp_path_factory.mktemp("dense"), 1, *DENSE, "per_device_batch_size=8"))
+def dense_reference():
+  return loss_curves(cached_rows(1, *DENSE, "per_device_batch_size=8"))
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-  return loss_curves(
-    train_layout(tmp_path_factory.mktemp("moe"), 1, *MOE, "sparse_matmul=false", "per_device_batch_size=8")
-  )
+def moe_reference():
+  return loss_curves(cached_rows(1, *MOE, "sparse_matmul=false", "per_device_batch_size=8"))
 
 
 @pytest.mark.slow

@@ -170,12 +170,15 @@ def one_device_lora(tmp_path_factory, trained_start):
 @pytest.mark.parametrize(
   "mesh",
   [
-    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "remat_policy=minimal"),
-    ("ici_sequence_parallelism=4", "ici_fsdp_parallelism=2", "remat_policy=none"),
-    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
-    ("ici_fsdp_parallelism=8", "num_vocab_tiling=2"),
+    # The adapters split over tensor and fsdp, sequence shards, a remat policy and the head in vocab tiles.
+    (
+      *("ici_sequence_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+      *("remat_policy=minimal", "num_vocab_tiling=2"),
+    ),
+    # The pipeline applies each layer by itself (the adapters' module paths without decoder/layers/), no remat.
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "remat_policy=none"),
   ],
-  ids=["data2_fsdp2_tensor2_minimal", "sequence4_fsdp2_none", "stage2_fsdp4", "fsdp8_vocab_tiling2"],
+  ids=["sequence2_fsdp2_tensor2_minimal_vocab_tiling2", "stage2_fsdp4_none"],
 )
 def test_lora_layouts_and_remat_policies_train_like_one_device(tmp_path, trained_start, one_device_lora, mesh):
   start = (f"load_parameters_path={trained_start[0]}", f"lora_restore_path={trained_start[1]}")
