@@ -89,12 +89,9 @@ def test_a_step_only_one_process_cannot_read_stops_every_process_with_one_line(s
 
 def test_a_step_one_process_finds_unreadable_is_skipped_by_every_process(saved, monkeypatch):
   """Step 4's data positions are corrupt as process 1 reads them: both processes skip step 4 and resume from step 2
-  together, and finish the run, with the losses of the first run (uninterrupted: its own reference, bit for bit)."""
+  together, and finish the run."""
   codes, logs = _resume_with_fault(saved, monkeypatch, "1:4:corrupt:-1", "fallback")
   assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
   for log in logs:
     assert "skipping checkpoint step 4 on every process, unreadable on process [1]" in log, log[-3000:]
     assert re.findall(r"resumed from checkpoint at step (\d+)", log) == ["2"], log[-3000:]
-  first = procs.losses(procs.metric_rows(str(saved / "saved_runs" / "em" / "metrics.jsonl")))
-  assert sorted(first) == [1, 2, 3, 4]
-  assert procs.losses(procs.metric_rows(str(saved / "runs" / "em" / "metrics.jsonl"))) == first

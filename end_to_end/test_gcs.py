@@ -1,8 +1,7 @@
 """gs:// everywhere, against a real GCS API on 127.0.0.1 (fake-gcs-server): runs killed and resumed on a
 bucket equal uninterrupted local runs bit for bit, with data, tokenizer, outputs and checkpoints in the bucket.
 
-The uninterrupted local runs are golden files (end_to_end/golden.py), each recorded by processes seeing the same
-device counts as the runs compared with it (see test_kill_resume.py).
+Every compared run is a train.py process seeing the same device count (see test_kill_resume.py).
 """
 
 import json
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import golden
 import procs
 import pytest
 from gcs import LocalGCS
@@ -101,9 +99,12 @@ def _step_dirs(gcs, run):
 
 @pytest.fixture(scope="module")
 def resumed_on_gcs(gcs, tmp_path_factory):
-  """A run on the bucket, SIGKILLed after step 6 and relaunched; the local run it must equal is golden.ONE_DEVICE."""
+  """A local run (data and outputs on disk) and the same run on the bucket, SIGKILLed after step 6 and relaunched."""
   tmp = tmp_path_factory.mktemp("resume")
-  common = (*golden.ONE_DEVICE.args, "steps=10", "enable_checkpointing=true", "checkpoint_period=4")
+  common = (*TINY, "per_device_batch_size=4", "steps=10", "enable_checkpointing=true", "checkpoint_period=4")
+  local_log = str(tmp / "local.log")
+  local = (*common, f"base_output_directory={tmp}", "run_name=a", "enable_tensorboard=false")
+  assert procs.run(procs.train_command(*local), local_log) == 0, procs.tail(local_log)
   remote = (
     *common,
     f"grain_train_files=gs://{BUCKET}/data/train-*.array_record",
@@ -120,7 +121,7 @@ def resumed_on_gcs(gcs, tmp_path_factory):
   return {
     "tmp": tmp,
     "log": log,
-    "local": golden.ONE_DEVICE.load(tmp),
+    "local": procs.losses(procs.metric_rows(str(tmp / "a" / "metrics.jsonl"))),
     "remote": _bucket_losses(gcs, "b"),
     "remote_steps": [r["step"] for r in _bucket_rows(gcs, "b") if "loss" in r],
   }
@@ -130,8 +131,7 @@ def test_killed_run_on_gcs_resumes_to_the_local_losses_bit_for_bit(gcs, resumed_
   with open(resumed_on_gcs["log"], encoding="utf-8") as f:
     assert "resumed from checkpoint at step 4" in f.read()
   assert resumed_on_gcs["remote_steps"] == list(range(1, 11))  # one row per step: the replayed ones replaced
-  # gs:// data + tokenizer == local files, bit for bit
-  resumed_on_gcs["local"].check(resumed_on_gcs["remote"], steps=range(1, 11))
+  assert resumed_on_gcs["remote"] == resumed_on_gcs["local"]  # gs:// data + tokenizer == local files, bit for bit
   assert _finalized(gcs, "b") == [4, 8, 10]
   events = [n for n in gcs.objects(BUCKET, "runs/b/tensorboard/") if "tfevents" in n]
   assert events, "no tensorboard event file in the bucket"
@@ -152,14 +152,8 @@ def test_tools_read_and_write_gs_paths(gcs, resumed_on_gcs):
   assert info.returncode == 0, info.stderr
   assert "10" in info.stdout and "params" in info.stdout
 
-  # The bucket's final checkpoint and a local copy of it (its losses are the local run's: see the test above) export
-  # to the same bytes, one written to the bucket, the other to disk.
-  local_step = tmp / "b_copy" / "checkpoints" / "10"
-  for name in gcs.objects(BUCKET, "runs/b/checkpoints/10/"):
-    target = local_step / name[len("runs/b/checkpoints/10/") :]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(gcs.read(BUCKET, name))
-  for source, target in ((step, f"gs://{BUCKET}/hf/b"), (str(local_step), str(tmp / "hf_a"))):
+  # The bucket's final checkpoint holds the local run's exact weights: both export to the same bytes.
+  for source, target in ((step, f"gs://{BUCKET}/hf/b"), (str(tmp / "a" / "checkpoints" / "10"), str(tmp / "hf_a"))):
     out = _run_tool(gcs, tmp, "convert_hf.py", "to_hf", f"--checkpoint_path={source}", f"--output_path={target}")
     assert out.returncode == 0, out.stderr
   assert gcs.read(BUCKET, "hf/b/model.safetensors") == (tmp / "hf_a" / "model.safetensors").read_bytes()
@@ -182,11 +176,13 @@ def test_tools_read_and_write_gs_paths(gcs, resumed_on_gcs):
   finetune = (*TINY, "per_device_batch_size=4", "steps=1", f"base_output_directory={tmp}", "run_name=ft")
   command = procs.train_command(*finetune, f"load_parameters_path={step}", "enable_tensorboard=false")
   assert _run(gcs, command, log) == 0, procs.tail(log)
-  local_command = procs.train_command(*finetune, "run_name=ft_local", f"load_parameters_path={local_step}")
+  local_command = procs.train_command(
+    *finetune, "run_name=ft_local", f"load_parameters_path={tmp / 'a' / 'checkpoints' / '10'}"
+  )
   assert procs.run(local_command, log) == 0, procs.tail(log)
   loaded = procs.losses(procs.metric_rows(str(tmp / "ft" / "metrics.jsonl")))
   assert loaded == procs.losses(procs.metric_rows(str(tmp / "ft_local" / "metrics.jsonl")))
-  assert loaded[1] < resumed_on_gcs["local"].losses[1] - 1.0  # trained weights, not a fresh start
+  assert loaded[1] < resumed_on_gcs["local"][1] - 1.0  # trained weights, not a fresh start
 
 
 def _run_tool(gcs, tmp, tool, *args):
@@ -250,14 +246,17 @@ TWO_PROCESSES = (
 )
 
 
-# The uninterrupted run of that layout on local disk: the bit-for-bit reference of the tests below (the learning rate
-# schedule is fixed by learning_rate_schedule_steps, so shorter runs follow the same curve).
-TWO_PROCESS_GOLDEN = golden.Golden("tiny_2slices_2x4", TWO_PROCESSES, devices=4, processes=2)
-
-
 @pytest.fixture(scope="module")
 def two_process_losses(tmp_path_factory):
-  return TWO_PROCESS_GOLDEN.load(tmp_path_factory.mktemp("two"))
+  """Losses of the uninterrupted 2-process run, on local disk: the bit-for-bit reference of the tests below (the
+  learning rate schedule is fixed by learning_rate_schedule_steps, so shorter runs follow the same curve)."""
+  tmp = tmp_path_factory.mktemp("two")
+  log = str(tmp / "launch.log")
+  local = procs.launch_command(2, 4, *TWO_PROCESSES, f"base_output_directory={tmp}", "run_name=a")
+  assert procs.run(local, log) == 0, procs.tail(log)
+  losses = procs.losses(procs.metric_rows(str(tmp / "a" / "metrics.jsonl")))
+  assert sorted(losses) == list(range(1, 17))
+  return losses
 
 
 def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, tmp_path, two_process_losses):
@@ -283,7 +282,7 @@ def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, t
   corrupt = run(7, fault="1:6:corrupt:-1")
   assert re.search(r"skipping checkpoint step 6 on every process, unreadable on process \[1\]", corrupt), corrupt
   assert corrupt.count("resumed from checkpoint at step 3") == 2, corrupt
-  two_process_losses.check(_bucket_losses(gcs, "fault"), steps=range(1, 8))  # bit for bit
+  assert _bucket_losses(gcs, "fault") == {s: two_process_losses[s] for s in range(1, 8)}  # bit for bit
   iterators = [n for n in gcs.objects(BUCKET, "runs/fault/checkpoints/7/data_iter/") if n.endswith(".json")]
   assert [os.path.basename(n) for n in iterators] == ["process_0-of-2.json", "process_1-of-2.json"]
 
@@ -463,4 +462,4 @@ def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_posi
     assert steps == {expected}, (loss, steps, local_steps, persistent)
     if loss == "positions":  # and process 1 deleted its local step, which the resumed run saved again
       assert f"deleting local step {max(local_steps)}" in resumed, resumed[-3000:]
-    two_process_losses.check(_bucket_losses(gcs, run), steps=range(1, 17))  # bit for bit
+    assert _bucket_losses(gcs, run) == two_process_losses, loss  # bit for bit

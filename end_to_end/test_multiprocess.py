@@ -8,7 +8,6 @@ import signal
 import sys
 import time
 
-import golden
 import numpy as np
 import procs
 import pytest
@@ -23,12 +22,6 @@ TINY = (
   "ici_fsdp_parallelism=8",
   "steps=8",
 )
-
-# The uninterrupted runs the tests compare with (end_to_end/golden.py): 2 processes x 4 devices, the reference of the
-# kill/resume test and the 2 x 4 layout of the layouts test, and 1 process x 8 devices, what the layouts are compared
-# with.
-TWO_BY_FOUR = golden.Golden("tiny_fsdp8_2x4", TINY, devices=4, processes=2)
-ONE_BY_EIGHT = golden.Golden("tiny_fsdp8_1x8", TINY, devices=8)
 
 # 2 processes x 2 devices, for the SIGTERM test: what it checks is between the processes (it sets its own steps).
 TWO_BY_TWO = (*TINY[:-2], "ici_fsdp_parallelism=4")
@@ -53,9 +46,15 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_by_four(shared):
-  """The golden losses of the uninterrupted 2 processes x 4 devices run."""
-  return TWO_BY_FOUR.load(shared)
+def straight(shared):
+  """Losses of the uninterrupted 2 processes x 4 devices run: the bit-for-bit reference of the kill/resume test
+  and the 2 x 4 layout of the layouts test (one launch for both)."""
+  log = str(shared / "straight.log")
+  command = procs.launch_command(2, 4, *TINY, f"base_output_directory={shared}", "run_name=a")
+  assert procs.run(command, log) == 0, procs.tail(log)
+  losses = procs.losses(procs.metric_rows(str(shared / "a" / "metrics.jsonl")))
+  assert sorted(losses) == list(range(1, 9))
+  return losses
 
 
 CHECKPOINTED = (*TINY, "run_name=b", "enable_checkpointing=true", "checkpoint_period=3")
@@ -85,14 +84,13 @@ def _as_killed(killed) -> str:
   return str(killed["run_dir"] / "metrics.jsonl")
 
 
-def test_two_processes_killed_and_resumed_match_uninterrupted_run(two_by_four, killed):
+def test_two_processes_killed_and_resumed_match_uninterrupted_run(straight, killed):
   log = killed["log"]
   metrics = _as_killed(killed)
   assert procs.run(killed["command"], log) == 0, procs.tail(log)
   resumed = procs.losses(procs.resumed_rows(metrics, log))
   assert max(resumed) == 8 and min(resumed) <= 6
-  two_by_four.check(resumed)  # bit for bit
-  two_by_four.check(procs.losses(procs.metric_rows(metrics)), steps=range(1, 9))
+  assert resumed == {s: straight[s] for s in resumed}  # bit for bit
   assert sorted(os.listdir(killed["run_dir"] / "checkpoints" / "8" / "data_iter")) == [
     "commit_success.txt",
     "process_0-of-2.json",
@@ -183,18 +181,18 @@ def test_unreachable_coordinator_is_one_clear_line_within_the_timeout(tmp_path):
   ), output
 
 
-def test_grain_data_is_the_same_on_any_process_layout_and_resumes_on_another(tmp_path, two_by_four, killed):
+def test_grain_data_is_the_same_on_any_process_layout_and_resumes_on_another(tmp_path, straight, killed):
   """Shipped corpus, fsdp=8: 1 process x 8 devices, 2 x 4 and 4 x 2 train on the same global batches; a 2-process
   run killed after step 5 resumes as 1 process on another mesh (fsdp=4 x tensor=2) and continues the same stream.
   Processes with other device counts round differently in XLA's CPU code, hence rel 1e-5, not bit for bit.
-  The 1 x 8 and 2 x 4 runs are golden files (the 2 x 4 one matched by the killed and resumed 2 x 4 run, see
-  `killed`); the 4 x 2 run and the resumed one run here."""
+  The 2 x 4 run and the killed one are the module's shared runs (see `straight` and `killed`)."""
   args = (*TINY, f"base_output_directory={tmp_path}")
   log = str(tmp_path / "log")
+  assert procs.run(procs.train_command(*args, "run_name=one"), log, devices=8) == 0, procs.tail(log)
   assert procs.run(procs.launch_command(4, 2, *args, "run_name=four"), log) == 0, procs.tail(log)
-  four = procs.losses(procs.metric_rows(str(tmp_path / "four" / "metrics.jsonl")))
-  one, two = ONE_BY_EIGHT.load(tmp_path).losses, two_by_four.losses
-  assert sorted(one) == sorted(two) == sorted(four) == list(range(1, 9))
+  one, four = (procs.losses(procs.metric_rows(str(tmp_path / r / "metrics.jsonl"))) for r in ("one", "four"))
+  two = straight
+  assert sorted(one) == list(range(1, 9))
   np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-5)
   np.testing.assert_allclose([four[s] for s in one], list(one.values()), rtol=1e-5)
 
