@@ -1,5 +1,5 @@
 """SFT on the shipped chats, then DPO on the shipped preference pairs from its checkpoint, as real train.py processes
-(the README's own walkthrough runs in test_readme_as_written.py): each run killed and resumed equals the
+(the README's own walkthrough runs in test_readme_fine_tuning.py): each run killed and resumed equals the
 uninterrupted run bit for bit, and 2 processes x 4 devices give the losses of 1 process x 8 devices."""
 
 import signal
