@@ -16,6 +16,7 @@ command that neither runs nor has a reason fails.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -140,9 +141,9 @@ _STARTS = part_starts(TEXT)
 
 
 def steps_of(part: str) -> list[Step]:
-  names = [name for name, _ in PARTS]
+  """The steps from the part's heading to the next part's (the last part: to the end)."""
   begin = _STARTS[part]
-  end = _STARTS[names[names.index(part) + 1]] if names.index(part) + 1 < len(names) else len(TEXT.splitlines()) + 1
+  end = min((line for line in _STARTS.values() if line > begin), default=len(TEXT.splitlines()) + 1)
   return [step for step in STEPS if begin <= step.line < end]
 
 
@@ -165,14 +166,16 @@ def _clean_checkout(root: str) -> str:
   return checkout
 
 
-def _documents() -> list[str]:
-  return [doc for shard in range(4) for doc in standins.corpus_documents(shard)]
+@functools.cache
+def _documents() -> tuple[str, ...]:
+  """The shipped corpus's documents, read once for the stand-ins that are made of them."""
+  return tuple(doc for shard in range(4) for doc in standins.corpus_documents(shard))
 
 
 # What the README's commands expect to find that the README does not make itself: {path: how to make it there}.
 STAND_INS: dict[str, Callable[[str], None]] = {
-  "my_text": lambda path: standins.text_files(path, _documents()),
-  "data/fineweb": lambda path: standins.parquet_shards(path, _documents()[:600]),
+  "my_text": lambda path: standins.text_files(path, list(_documents())),
+  "data/fineweb": lambda path: standins.parquet_shards(path, list(_documents()[:600])),
   "llama-dir": standins.llama2_folder,
   "Llama-3.2-1B": standins.llama3_folder,
   "Qwen3-0.6B": standins.qwen3_folder,
