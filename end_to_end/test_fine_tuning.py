@@ -1,6 +1,6 @@
 """SFT on the shipped chats, then DPO on the shipped preference pairs from its checkpoint, as real train.py processes
-(the README's own walkthrough runs in test_readme_fine_tuning.py): each run killed and resumed equals the
-uninterrupted run bit for bit, and 2 processes x 4 devices give the losses of 1 process x 8 devices."""
+(the README's own walkthrough runs in test_readme_fine_tuning.py): each run killed and resumed replays the steps
+after its checkpoint bit for bit, and 2 processes x 4 devices give the losses of 1 process x 8 devices."""
 
 import signal
 
@@ -37,52 +37,49 @@ DPO = ("use_dpo=true", "grain_train_files=assets/post_training/preferences-train
 
 
 def _killed_and_resumed(tmp_path, args, run_name, kill_after):
-  """{step: loss} of a single 8-device process killed after step `kill_after` (checkpoints every 2 steps) and run
-  again to the end."""
+  """{step: loss} and rows of a single 8-device process killed after step `kill_after` (checkpoints every 2 steps)
+  and run again to the end: the killed run up to the kill, uninterrupted so far, then the rerun. The steps the rerun
+  replays (those after the checkpoint it resumed from) equal the killed run's bit for bit."""
   command = procs.train_command(*args, f"run_name={run_name}", "enable_checkpointing=true", "checkpoint_period=2")
   metrics, log = str(tmp_path / run_name / "metrics.jsonl"), str(tmp_path / f"{run_name}.log")
   proc = procs.start(command, log, devices=8)
   procs.wait_for_step(proc, metrics, kill_after, log)
   procs.wait_for_saved_step(proc, str(tmp_path / run_name / "checkpoints" / str(kill_after // 2 * 2)))
   procs.kill_group(proc, signal.SIGKILL)
+  killed_rows = procs.metric_rows(metrics)  # the rerun drops the rows after its checkpoint: read them first
+  killed = procs.losses(killed_rows)
   assert procs.run(command, log, devices=8) == 0, procs.tail(log)
   resumed = procs.losses(procs.resumed_rows(metrics, log))
-  assert min(resumed) <= kill_after + 1 and max(resumed) == 6
-  return resumed
+  assert min(resumed) <= kill_after and max(resumed) == 6 and max(killed) >= kill_after
+  replayed = range(min(resumed), max(killed) + 1)
+  assert {s: resumed[s] for s in replayed} == {s: killed[s] for s in replayed}  # bit for bit
+  return {**killed, **resumed}, killed_rows
 
 
-def _straight(tmp_path, args, run_name, processes=1):
+def _two_processes(tmp_path, args, run_name):
   log = str(tmp_path / f"{run_name}.log")
-  if processes == 1:
-    command = procs.train_command(*args, f"run_name={run_name}", "enable_checkpointing=true", "checkpoint_period=6")
-    assert procs.run(command, log, devices=8) == 0, procs.tail(log)
-  else:
-    command = procs.launch_command(processes, 8 // processes, *args, f"run_name={run_name}")
-    assert procs.run(command, log) == 0, procs.tail(log)
-  rows = procs.metric_rows(str(tmp_path / run_name / "metrics.jsonl"))
-  return procs.losses(rows), rows
+  assert procs.run(procs.launch_command(2, 4, *args, f"run_name={run_name}"), log) == 0, procs.tail(log)
+  return procs.losses(procs.metric_rows(str(tmp_path / run_name / "metrics.jsonl")))
 
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
-  """The uninterrupted SFT run on 1 process x 8 devices; its last checkpoint starts DPO (and is its reference)."""
+  """The SFT run on 1 process x 8 devices, killed and resumed; its last checkpoint starts DPO."""
   root = tmp_path_factory.mktemp("post_training")
   args = (*CHAT, *SFT, f"base_output_directory={root}")
-  return root, args, _straight(root, args, "sft_one")
+  return root, args, _killed_and_resumed(root, args, "sft_killed", kill_after=3)
 
 
 @pytest.mark.parametrize("mode", ["sft", "dpo"])
 def test_kill_resume_and_two_processes(sft_run, mode):
   root, args, (one, rows) = sft_run
   if mode == "dpo":
-    args = (*CHAT, *DPO, f"base_output_directory={root}", f"load_parameters_path={root}/sft_one/checkpoints/6")
-    one, rows = _straight(root, args, "dpo_one")
+    args = (*CHAT, *DPO, f"base_output_directory={root}", f"load_parameters_path={root}/sft_killed/checkpoints/6")
+    one, rows = _killed_and_resumed(root, args, "dpo_killed", kill_after=3)
     np.testing.assert_allclose(one[1], np.log(2), rtol=1e-5)  # step 1: the policy is still the reference
     assert all(0 <= r["rewards/accuracies"] <= 1 and r["pairs"] > 0 for r in rows if "loss" in r)
   assert sorted(one) == list(range(1, 7))
   assert all(r["trained_tokens"] > 0 for r in rows if "loss" in r)
-  resumed = _killed_and_resumed(root, args, f"{mode}_killed", kill_after=3)
-  assert resumed == {s: one[s] for s in resumed}  # bit for bit
-  two, _ = _straight(root, args, f"{mode}_two", processes=2)
+  two = _two_processes(root, args, f"{mode}_two")
   # Processes with another device count round differently in XLA's CPU code: rel 1e-5, not bit for bit.
   np.testing.assert_allclose([two[s] for s in sorted(one)], [one[s] for s in sorted(one)], rtol=1e-5)

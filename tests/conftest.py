@@ -91,3 +91,16 @@ def pytest_collection_modifyitems(config, items):
     _unknown([path for path in LONGEST_FILES_FIRST if path not in collected], "files the suite does not collect")
   rank = {path: i for i, path in enumerate(LONGEST_FILES_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest as collected
+
+
+def pytest_sessionfinish(session):
+  """Under coverage.py (the README's "Tests"), each process saves its data at exit, and an xdist worker that takes more
+  than 10 s to exit (jax's and orbax's shutdown, on a loaded machine) is killed by xdist, its data with it: here each
+  worker saves what it measured as soon as its tests are done, and again at exit."""
+  try:
+    import coverage
+  except ImportError:
+    return
+  measuring = coverage.Coverage.current()
+  if measuring is not None:
+    measuring.save()
