@@ -246,23 +246,11 @@ TWO_PROCESSES = (
 )
 
 
-@pytest.fixture(scope="module")
-def two_process_losses(tmp_path_factory):
-  """Losses of the uninterrupted 2-process run, on local disk: the bit-for-bit reference of the tests below (the
-  learning rate schedule is fixed by learning_rate_schedule_steps, so shorter runs follow the same curve)."""
-  tmp = tmp_path_factory.mktemp("two")
-  log = str(tmp / "launch.log")
-  local = procs.launch_command(2, 4, *TWO_PROCESSES, f"base_output_directory={tmp}", "run_name=a")
-  assert procs.run(local, log) == 0, procs.tail(log)
-  losses = procs.losses(procs.metric_rows(str(tmp / "a" / "metrics.jsonl")))
-  assert sorted(losses) == list(range(1, 17))
-  return losses
-
-
-def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, tmp_path, two_process_losses):
+def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, tmp_path):
   """Process 1 alone finds step 6 corrupt: both go back to step 3, where each process deciding alone would resume
-  them from different steps. (A network error on one process is retried, tests/checkpoint/test_checkpoint_reads.py;
-  one that outlasts the retries stops both, end_to_end/test_emergency_resume.py.)"""
+  them from different steps, and run steps 4 to 6 again with the first run's losses. (A network error on one process
+  is retried, tests/checkpoint/test_checkpoint_reads.py; one that outlasts the retries stops both,
+  end_to_end/test_emergency_resume.py.)"""
   remote = (*TWO_PROCESSES, f"base_output_directory=gs://{BUCKET}/runs", "run_name=fault", "enable_checkpointing=true")
 
   def run(steps, fault=None):
@@ -279,10 +267,13 @@ def test_a_read_fault_seen_by_one_process_resumes_both_from_the_same_step(gcs, t
       return f.read()
 
   run(6)
+  uninterrupted = _bucket_losses(gcs, "fault")  # the resume drops the rows after its checkpoint: read them first
+  assert sorted(uninterrupted) == list(range(1, 7))
   corrupt = run(7, fault="1:6:corrupt:-1")
   assert re.search(r"skipping checkpoint step 6 on every process, unreadable on process \[1\]", corrupt), corrupt
   assert corrupt.count("resumed from checkpoint at step 3") == 2, corrupt
-  assert _bucket_losses(gcs, "fault") == {s: two_process_losses[s] for s in range(1, 8)}  # bit for bit
+  losses = _bucket_losses(gcs, "fault")
+  assert sorted(losses) == list(range(1, 8)) and {s: losses[s] for s in range(1, 7)} == uninterrupted  # bit for bit
   iterators = [n for n in gcs.objects(BUCKET, "runs/fault/checkpoints/7/data_iter/") if n.endswith(".json")]
   assert [os.path.basename(n) for n in iterators] == ["process_0-of-2.json", "process_1-of-2.json"]
 
@@ -403,13 +394,13 @@ def _put_back(gcs, prefix, objects, folder, copy):
   shutil.copytree(copy, folder, symlinks=True)
 
 
-def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_positions(
-  gcs, tmp_path, two_process_losses
-):
+def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_positions(gcs, tmp_path):
   """2 processes x 4 devices, each process one data replica with its own local directory; persistent steps on
   the bucket. Killed after a local save newer than the persistent one, the job resumes from that local step;
   with process 1's local directory gone (a replaced host), from what is left; with that step's data positions
-  gone, from the step before, saving over the leftover local step. All equal the uninterrupted run.
+  gone, from the step before, saving over the leftover local step. Each resume runs the steps after the one it
+  resumed from to the end: those the killed job had run too give its losses bit for bit, and the three resumes give
+  the same losses as one another.
 
   The job is killed once: the three resumes each start from the exact files it left (same run_name, same paths;
   local files and bucket objects are copied aside after the kill and put back before each later scenario),
@@ -429,12 +420,20 @@ def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_posi
   command = procs.launch_command(2, 4, *emergency)
   launcher = _start(gcs, command, log)
   replica_1 = os.path.join(local_run, "process_1")
-  _wait(launcher, log, lambda: max(_local_steps(replica_1), default=0) >= 10, "local step 10 saved")
+
+  def saved_and_logged():  # local step 10 saved, and the metrics rows up to it in the bucket (process 0 writes them)
+    logged = _bucket_losses(gcs, run) if gcs.objects(BUCKET, f"{prefix}metrics.jsonl") else {}
+    return max(_local_steps(replica_1), default=0) >= 10 and max(logged, default=0) >= 10
+
+  _wait(launcher, log, saved_and_logged, "local step 10 saved and logged")
   os.killpg(launcher.pid, signal.SIGSTOP)  # frozen at once: no save after this look
   local_steps, persistent = _local_steps(replica_1), _finalized(gcs, run)
   procs.kill_group(launcher, signal.SIGKILL)
   assert max(local_steps) > max(persistent), (local_steps, persistent)
   killed_objects, killed_local = _bucket_copy(gcs, prefix), str(tmp_path / "killed_local")
+  uninterrupted = _bucket_losses(gcs, run)  # the job's losses up to the kill
+  assert max(uninterrupted) > max(persistent), (uninterrupted, persistent)  # steps the host-loss resume runs again
+  finished = {}
   shutil.copytree(local_run, killed_local, symlinks=True)
   positions = f"{prefix}data_positions/{max(local_steps)}/"
   assert any(name.startswith(positions) for name in killed_objects)  # what the "positions" scenario deletes
@@ -462,4 +461,7 @@ def test_emergency_checkpoints_resume_from_a_local_step_a_lost_host_or_lost_posi
     assert steps == {expected}, (loss, steps, local_steps, persistent)
     if loss == "positions":  # and process 1 deleted its local step, which the resumed run saved again
       assert f"deleting local step {max(local_steps)}" in resumed, resumed[-3000:]
-    assert _bucket_losses(gcs, run) == two_process_losses, loss  # bit for bit
+    finished[loss] = _bucket_losses(gcs, run)
+    assert sorted(finished[loss]) == list(range(1, 17)), loss
+    assert {s: finished[loss][s] for s in uninterrupted} == uninterrupted, loss  # replayed steps bit for bit
+  assert finished[None] == finished["host"] == finished["positions"]
