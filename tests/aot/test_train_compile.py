@@ -51,6 +51,7 @@ def tiny_on_cpu_8(tmp_path_factory):
   return proc, out
 
 
+@pytest.mark.slow
 def test_tiny_on_cpu_8_reports_memory_flops_and_saves_the_executable(tiny_on_cpu_8):
   proc, out = tiny_on_cpu_8
   text = proc.stdout
@@ -101,6 +102,7 @@ def test_compiled_flops_are_printed_only_for_a_program_without_loops():
   assert line.startswith(f"FLOPs per device per step: compiled {flat_flops / 1e9:.2f} GFLOP, model 0.00 GFLOP")
 
 
+@pytest.mark.slow
 def test_tiny_on_cpu_8_names_each_buffer_at_the_peak_with_its_role_and_size(tiny_on_cpu_8):
   """The weights and the optimizer state live at the peak are named as such, at the bytes one device holds of them
   (the parameters' and Adam moments' shards on fsdp=8, counted here from the shardings), one buffer per line."""

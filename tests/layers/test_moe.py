@@ -306,6 +306,7 @@ def test_sigmoid_balance_loss_is_top_k_when_balanced():
   np.testing.assert_allclose(load_balance_loss(stats), sigmoid_balance_loss(logits, mask, 3), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_deepseek_logged_balance_loss_is_the_normalised_one():
   # The logged value of a whole tiny DeepSeek (grouped sigmoid routing, zero bias at init), mean over its MoE layers.
   unrolled = make_config("model_name=tiny-deepseek", f"max_target_length={SEQ}", "scan_layers=false")

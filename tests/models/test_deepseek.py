@@ -69,6 +69,7 @@ def _bias(params):
   return np.asarray(params["decoder"]["moe_layers"]["moe"]["score_correction_bias"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.0, 0.01])
 def test_routing_bias_moves_only_by_its_update_towards_balance(tmp_path, rate):
   """One step: each MoE layer's bias entry moves by exactly +-rate or 0 (never by AdamW's decay, whatever

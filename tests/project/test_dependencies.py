@@ -182,6 +182,7 @@ def test_an_extra_counts_with_what_it_installs_inside_functions_only():
   ]
 
 
+@pytest.mark.slow
 def test_a_plain_training_run_loads_no_optional_library(tmp_path):
   """A run on local files (one step, tensorboard and a checkpoint written) loads the train loop and the input
   pipeline; the chat-template engine, the test-only packages and the cloud clients stay unloaded until a feature asks

@@ -48,6 +48,7 @@ def test_the_train_step_is_compiled_with_the_options(monkeypatch):
   assert seen == ["cpu"]
 
 
+@pytest.mark.slow
 def test_the_cache_keeps_programs_that_compile_in_under_a_second(tmp_path):
   # jax's own threshold (1 s) kept none of a tiny model's programs, so every re-launch compiled them all again
   cache = tmp_path / "cache"

@@ -33,6 +33,7 @@ def _series(rows, key):
   return [r[key] for r in rows if key in r]
 
 
+@pytest.mark.slow
 def test_members_equal_separate_runs_on_one_device(tmp_path):
   """Two members differing by seed (the default): member i's losses and grad norms are those of a run with
   init_weights_seed=i and seed=i, with warm-up, two accumulated microbatches, dropout and a clipping threshold the
@@ -54,6 +55,7 @@ def test_members_equal_separate_runs_on_one_device(tmp_path):
   np.testing.assert_allclose(_series(rows, "loss"), np.mean([_series(rows, f"loss/member_{i}") for i in range(2)], 0))
 
 
+@pytest.mark.slow
 def test_learning_rate_sweep_sharded_over_eight_devices(tmp_path):
   """Four members with their own peak rates, the ensemble axis 4 x fsdp 2 on eight devices: members 0 and 3 equal
   separate two-device fsdp runs at those rates (same seeds), and their parameters really are split over the ensemble
@@ -125,6 +127,7 @@ def test_distinct_data_gives_each_member_its_own_batches(tmp_path):
   assert distinct[0]["loss/member_0"] != distinct[0]["loss/member_1"]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_and_metrics_name_members(tmp_path):
   """Stopped at step 3 and resumed to 6 equals 6 uninterrupted steps, every member bit for bit; metrics.jsonl and
   the eval rows carry one series per member and the ensemble's averaged-probability eval loss."""
@@ -154,6 +157,7 @@ def test_resume_is_bit_identical_and_metrics_name_members(tmp_path):
   assert last["eval_ensemble_loss"] < np.mean(members) - 1e-3
 
 
+@pytest.mark.slow
 def test_one_member_decodes_and_exports(tmp_path):
   """decode.py and to_hf read ensemble_member's parameters out of an ensemble step: decode's greedy text for member 1
   equals a lone run's (same seeds), and member 0's differs; without ensemble_member it is one error line."""

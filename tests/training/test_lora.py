@@ -221,6 +221,7 @@ def test_a_module_path_that_matches_nothing_or_routed_experts_is_one_line(model,
   assert "\n" not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_deepseek_lora_adapts_attention_and_shared_experts_and_a_step_keeps_the_frozen_routing_bias(capsys):
   """DeepSeek's MoE layers live under decoder/moe_layers: the default lora_module_path adapts their attention and
   shared experts (a path containing "moe" is not a routed expert; only the MoE block's own modules are). One step

@@ -214,6 +214,7 @@ def test_gs_heartbeat_never_overwrites_a_new_owner_and_marks_the_lock_lost(bucke
   assert json.loads(server.read("locks", name))["host"] == "elsewhere"  # not ours to remove
 
 
+@pytest.mark.slow
 def test_a_run_whose_gs_lock_is_taken_over_stops_before_its_next_save(bucket, tmp_path):
   server, url = bucket
   args = (*RUN, f"base_output_directory={url}/runs", "run_name=taken", "enable_checkpointing=true")
