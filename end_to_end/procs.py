@@ -122,6 +122,25 @@ def wait_for_saved_step(proc: subprocess.Popen, step_dir: str, timeout: float = 
     time.sleep(0.05)
 
 
+def killed_and_run_again(
+  command: list[str], run_dir: str, log_path: str, kill_after: int, checkpoint_period: int, devices: int = 1
+) -> tuple[list[dict], list[dict]]:
+  """Start `command`, SIGKILL it once step `kill_after` is logged and the checkpoint before it is on disk, run the
+  same command to the end: (the rows the killed run wrote, uninterrupted up to the kill; the rows the rerun wrote,
+  `resumed_rows`). The rerun replays the steps after its checkpoint, so those rows are their own bit-for-bit
+  reference. The killed rows are read before the rerun, which drops the rows after its checkpoint."""
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  proc = start(command, log_path, devices)
+  wait_for_step(proc, metrics, kill_after, log_path)
+  wait_for_saved_step(
+    proc, os.path.join(run_dir, "checkpoints", str(kill_after // checkpoint_period * checkpoint_period))
+  )
+  kill_group(proc, signal.SIGKILL)
+  before = metric_rows(metrics)
+  assert run(command, log_path, devices) == 0, tail(log_path)
+  return before, resumed_rows(metrics, log_path)
+
+
 def tail(path: str, lines: int = 30) -> str:
   with open(path, encoding="utf-8", errors="replace") as f:
     return "".join(f.readlines()[-lines:])

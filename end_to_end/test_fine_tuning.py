@@ -2,8 +2,6 @@
 (the README's own walkthrough runs in test_readme_fine_tuning.py): each run killed and resumed replays the steps
 after its checkpoint bit for bit, and 2 processes x 4 devices give the losses of 1 process x 8 devices."""
 
-import signal
-
 import numpy as np
 import procs
 import pytest
@@ -41,15 +39,11 @@ def _killed_and_resumed(tmp_path, args, run_name, kill_after):
   and run again to the end: the killed run up to the kill, uninterrupted so far, then the rerun. The steps the rerun
   replays (those after the checkpoint it resumed from) equal the killed run's bit for bit."""
   command = procs.train_command(*args, f"run_name={run_name}", "enable_checkpointing=true", "checkpoint_period=2")
-  metrics, log = str(tmp_path / run_name / "metrics.jsonl"), str(tmp_path / f"{run_name}.log")
-  proc = procs.start(command, log, devices=8)
-  procs.wait_for_step(proc, metrics, kill_after, log)
-  procs.wait_for_saved_step(proc, str(tmp_path / run_name / "checkpoints" / str(kill_after // 2 * 2)))
-  procs.kill_group(proc, signal.SIGKILL)
-  killed_rows = procs.metric_rows(metrics)  # the rerun drops the rows after its checkpoint: read them first
+  killed_rows, resumed_rows = procs.killed_and_run_again(
+    command, str(tmp_path / run_name), str(tmp_path / f"{run_name}.log"), kill_after, checkpoint_period=2, devices=8
+  )
   killed = procs.losses(killed_rows)
-  assert procs.run(command, log, devices=8) == 0, procs.tail(log)
-  resumed = procs.losses(procs.resumed_rows(metrics, log))
+  resumed = procs.losses(resumed_rows)
   assert min(resumed) <= kill_after and max(resumed) == 6 and max(killed) >= kill_after
   replayed = range(min(resumed), max(killed) + 1)
   assert {s: resumed[s] for s in replayed} == {s: killed[s] for s in replayed}  # bit for bit

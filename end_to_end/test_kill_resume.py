@@ -30,21 +30,12 @@ def _run_losses(tmp_path, overrides, run_name, devices=1):
 
 
 def _killed_and_run_again(tmp_path, args, checkpoint_period, kill_after):
-  """Run "b" on 8 devices, SIGKILL it once step `kill_after` is logged, run the same command to the end: (the rows the
-  killed run wrote, uninterrupted up to the kill; the rows the rerun wrote, procs.resumed_rows). The rerun replays the
-  steps after the last checkpoint: each equals the killed run's own, so no separate uninterrupted run is needed."""
+  """Run "b" on 8 devices with checkpoints, killed after step `kill_after` and run again (procs.killed_and_run_again)."""
   saving = ("enable_checkpointing=true", f"checkpoint_period={checkpoint_period}")
   command = procs.train_command(*args, "run_name=b", *saving)
-  metrics, log = str(tmp_path / "b" / "metrics.jsonl"), str(tmp_path / "b.log")
-  proc = procs.start(command, log, devices=8)
-  procs.wait_for_step(proc, metrics, kill_after, log)
-  procs.wait_for_saved_step(
-    proc, str(tmp_path / "b" / "checkpoints" / str(kill_after // checkpoint_period * checkpoint_period))
+  return procs.killed_and_run_again(
+    command, str(tmp_path / "b"), str(tmp_path / "b.log"), kill_after, checkpoint_period, devices=8
   )
-  procs.kill_group(proc, signal.SIGKILL)
-  before = procs.metric_rows(metrics)  # the rerun drops the rows after its checkpoint: read them first
-  assert procs.run(command, log, devices=8) == 0, procs.tail(log)
-  return before, procs.resumed_rows(metrics, log)
 
 
 def test_sigkill_after_step_6_resumes_bit_for_bit(tmp_path):
