@@ -30,7 +30,7 @@ def _run_losses(tmp_path, overrides, run_name, devices=1):
 
 
 def _killed_and_run_again(tmp_path, args, checkpoint_period, kill_after):
-  """Run "b" on 8 devices with checkpoints, killed after step `kill_after` and run again (procs.killed_and_run_again)."""
+  """Run "b" on 8 devices with checkpoints, killed after step `kill_after`, then run again."""
   saving = ("enable_checkpointing=true", f"checkpoint_period={checkpoint_period}")
   command = procs.train_command(*args, "run_name=b", *saving)
   return procs.killed_and_run_again(
