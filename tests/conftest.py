@@ -58,7 +58,6 @@ LONGEST_FILES_FIRST = (
   "end_to_end/test_emergency_resume.py",
   "tests/training/test_training_math.py",
   "tests/checkpoint/test_checkpointing.py",
-  "end_to_end/test_decode_cli.py",
   "tests/layers/test_layer_options.py",
 )
 

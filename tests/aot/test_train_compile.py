@@ -240,6 +240,7 @@ def test_libtpu_flags_are_set_only_on_a_tpu_host_and_by_its_chip():
   assert "unknown" in topologies.set_libtpu_flags(unknown, tpu_present=True) and "LIBTPU_INIT_ARGS" not in unknown
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_oversized_config_on_v5p_8_exits_non_zero_with_the_shortfall():
   # ~9B parameters replicated on every chip (data parallelism only): weights and Adam alone exceed 95 GiB.

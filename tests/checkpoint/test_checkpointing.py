@@ -249,6 +249,7 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path, save
   assert _listing(run) == before
 
 
+@pytest.mark.slow
 def test_no_readable_checkpoint_is_one_line_and_nothing_is_deleted(tmp_path, saved_run):
   run = tmp_path / "r"
   shutil.copytree(saved_run, run)

@@ -262,6 +262,7 @@ def test_maxlite_trained_model_exports_to_transformers(tmp_path):
   assert ours[0] == theirs, (ours[0], theirs)
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path):
   import subprocess
   import sys
@@ -408,6 +409,7 @@ def test_bad_shard_index_and_duplicate_tensors_are_one_line(tmp_path):
       SafetensorsReader(str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["offsets_past_end"])  # a truncated file fails in the same reader (tested above)
 def test_command_line_refuses_broken_safetensors(tmp_path, case):
   hf_dir = tmp_path / "hf"

@@ -44,6 +44,7 @@ def test_a_chosen_platform_or_an_accelerator_plugin_is_left_to_jax():
   assert not platforms.use_cpu_when_it_is_all_there_is(environ) and environ == {"JAX_PLATFORMS": "cuda"}
 
 
+@pytest.mark.slow
 def test_a_cpu_run_does_not_probe_for_a_tpu(tmp_path):
   """With JAX_PLATFORMS unset on a machine without TPU chips, jax would try libtpu first and log its failure."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

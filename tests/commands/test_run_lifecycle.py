@@ -64,6 +64,7 @@ def test_a_run_ends_with_one_line_naming_its_step_checkpoint_eval_loss_and_metri
   )
 
 
+@pytest.mark.slow
 def test_resuming_a_run_at_its_last_step_says_there_is_nothing_to_do(finished, tmp_path):
   out = _copy(finished, tmp_path)
   metrics = open(os.path.join(out, "r", "metrics.jsonl")).read()

@@ -512,6 +512,7 @@ def test_templates_see_the_special_tokens_transformers_passes(layout, tmp_path):
   assert ChatTemplate.load(str(tmp_path)).render(messages) == expected
 
 
+@pytest.mark.slow
 def test_jinja2_is_loaded_only_when_a_chat_template_is_used():
   """A pretraining run imports the data pipeline, which can render chats; jinja2 is imported on the first template
   compiled, so a run without one never needs it."""

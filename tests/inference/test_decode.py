@@ -161,6 +161,7 @@ def _printed(stdout: str) -> list[tuple[int, str, str]]:
   return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "overrides, message",
   [
@@ -186,6 +187,16 @@ def test_decode_cli_bad_sampling_is_one_line(overrides, message):
   assert message in errors[0] and "Traceback" not in proc.stderr, errors[0]
 
 
+@pytest.mark.slow
+def test_decode_cli_bad_input_is_one_line(tmp_path):
+  missing = _decode_cli(f"load_parameters_path={tmp_path / 'nope'}")
+  assert missing.returncode == 2 and "load_parameters_path" in missing.stderr and "Traceback" not in missing.stderr
+  too_long = _decode_cli("model_name=tiny", "max_prefill_predict_length=200", "max_decode_steps=100")
+  assert too_long.returncode == 2 and "exceeds max_target_length=256" in too_long.stderr, too_long.stderr[-2000:]
+  bad_strategy = _decode_cli("decode_sampling_strategy=beam")
+  assert bad_strategy.returncode == 2 and "decode_sampling_strategy='beam' is not one of" in bad_strategy.stderr
+
+
 def test_fit_prompt_keeps_bos_and_the_last_tokens():
   from MaxLite.inference.generate import fit_prompt
 
@@ -195,6 +206,7 @@ def test_fit_prompt_keeps_bos_and_the_last_tokens():
   assert fit_prompt([1, 5, 6], 1, keep_first=True) == [1]
 
 
+@pytest.mark.slow
 def test_decode_cli_warns_of_a_cut_prompt_and_shows_what_the_model_saw():
   words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omega"
   proc = _decode_cli(f"prompt={words} ||| short", "max_prefill_predict_length=6", "max_decode_steps=2")
@@ -305,6 +317,7 @@ def test_decode_with_a_chat_template_prints_the_reply_up_to_the_end_of_turn(monk
     generate.run([BASE_YML, "model_name=tiny", "use_chat_template=true"])
 
 
+@pytest.mark.slow
 def test_decoding_on_a_data_fsdp_tensor_mesh_equals_one_device():
   """XLA miscomputed a decode step's output projections on this mesh (rows of two batch shards swapped) until the
   decoder traced with the residual stream whole (sharding.decode_axis_rules). Prompts of different lengths, so every
@@ -369,6 +382,7 @@ def test_decode_takes_the_tokenizer_saved_with_the_checkpoint(chat_run, tmp_path
   named = _decode_cli(*common, *CHAT)
   assert implicit.returncode == 0 and named.returncode == 0, implicit.stderr[-3000:] + named.stderr[-3000:]
   assert implicit.stdout == named.stdout and "⁇" not in implicit.stdout, implicit.stdout + named.stdout
+  _assert_labeled(named.stdout)  # greedy, two processes: the same text
 
 
 @pytest.mark.slow
@@ -418,11 +432,18 @@ def test_a_run_name_decodes_its_newest_checkpoint(chat_run):
 @pytest.mark.slow
 def test_decode_prints_each_prompt_and_its_completion_on_labeled_lines(chat_run):
   """The continuation was printed straight after the prompt, so where one ended and the other began could not be
-  seen. Now each row is `[i] prompt: "..."` then `[i] completion: "..."`, JSON strings (a leading space shows)."""
+  seen. Now each row is `[i] prompt: "..."` then `[i] completion: "..."`, JSON strings (a leading space shows);
+  sampled rows as greedy ones (greedy: test_decode_takes_the_tokenizer_saved_with_the_checkpoint)."""
   step = chat_run / "chat" / "checkpoints" / "3"
-  proc = _decode_cli(f"load_parameters_path={step}", *CHAT, "prompt=The Python ||| import", *SHORT)
+  sampling = ("decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.9")
+  proc = _decode_cli(f"load_parameters_path={step}", *CHAT, "prompt=The Python ||| import", *sampling, *SHORT)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  printed = _printed(proc.stdout)
+  _assert_labeled(proc.stdout)
+
+
+def _assert_labeled(stdout: str) -> None:
+  """Two prompts ("The Python", "import"), each on its line, then its non-empty completion on the next."""
+  printed = _printed(stdout)
   assert [(row, label) for row, label, _ in printed] == [
     (0, "prompt"),
     (0, "completion"),
@@ -430,7 +451,7 @@ def test_decode_prints_each_prompt_and_its_completion_on_labeled_lines(chat_run)
     (1, "completion"),
   ]
   assert (printed[0][2], printed[2][2]) == ("The Python", "import")
-  assert printed[1][2] and printed[3][2], proc.stdout
+  assert printed[1][2] and printed[3][2], stdout
 
 
 @pytest.mark.slow

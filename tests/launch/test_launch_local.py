@@ -85,6 +85,7 @@ def _launch(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
   return code, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer_exit", ["error", "abort"])
 def test_the_killed_process_is_named_though_its_peer_fails_and_is_reaped_first(
   tmp_path, monkeypatch, capsys, peer_exit

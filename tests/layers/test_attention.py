@@ -83,6 +83,7 @@ def test_splash_forward_and_gradients_equal_dot_product_on_packed_rows(heads, kv
   _assert_same(_loss_and_grads(splash, q, k, v, segments), _loss_and_grads(_reference, q, k, v, segments))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [1, 40, 128])
 def test_windowed_splash_equals_the_windowed_dot_product_mask(window):
   """Gemma 3's local layers: the kernel's band (q - window < k <= q) is the dot-product path's mask, across blocks
@@ -100,6 +101,7 @@ def test_windowed_splash_equals_the_windowed_dot_product_mask(window):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh, kv_heads",
   [

@@ -38,6 +38,7 @@ def _rows(batch: int) -> np.ndarray:
   return np.asarray((rows * batch)[:batch], np.int32)
 
 
+@pytest.mark.slow
 def test_packed_layout_gives_each_rows_segment_offsets_and_lengths():
   lengths, offsets = packed_layout(jnp.asarray(_rows(6)), 4)
   np.testing.assert_array_equal(
@@ -125,6 +126,7 @@ def _batch(config, seed=0):
   return ids, pos, rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", FAMILIES)
 def test_every_family_gives_dot_products_logits_through_the_cudnn_path(model):
   """Packed rows through the whole model: Gemma 3's local layers keep their window (lax.cond under nn.scan), MLA's
@@ -164,6 +166,7 @@ def _lower_for_cuda(config, monkeypatch) -> str:
   return lowered.as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, window", [("tiny", 0), ("tiny-gemma3", 16), ("tiny-deepseek", 0)])
 def test_the_cuda_program_calls_cudnn_with_the_packed_layout_and_holds_no_mask(model, window, monkeypatch):
   config = _cudnn_config(f"model_name={model}", f"max_target_length={SEQ}", "max_segments_per_seq=4", dtype="bfloat16")

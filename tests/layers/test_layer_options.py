@@ -106,6 +106,7 @@ def reference(kind):
 LAYOUTS = {"tensor2_fsdp4": ("dense", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=4")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_fused_kernels_equal_the_separate_ones(kind):
   """fused_qkv (and fused_mlp, the dense MLP's) holding the separate kernels stacked give the plain model's loss and
@@ -130,6 +131,7 @@ def test_every_preset_equals_no_remat(kind, policy):
   _assert_same(_loss_and_grads(config, params, first_devices(1)), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "policy, names",
   [

@@ -81,6 +81,7 @@ def maxtext_load_balance_loss(logits: np.ndarray, top_k: int, weight: float) -> 
   return float(np.mean(density * density_prob) * e**2 * weight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["sparse_matmul=true", "sparse_matmul=false"])
 def test_load_balance_penalty_is_maxtexts_at_the_same_weight(dispatch):
   # Router logits from the unrolled model; the penalty from the default scanned (and rematerialised) one.
@@ -99,6 +100,7 @@ def test_load_balance_penalty_is_maxtexts_at_the_same_weight(dispatch):
   np.testing.assert_allclose(WEIGHT * sums["moe_lb_sum"] / sums["count"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_load_balance_sums_add_up_over_microbatches():
   # Gradient accumulation adds the microbatches' sums: two halves of a batch (with padding in both) must give
   # the whole batch's penalty, not a mixture of two per-half statistics.
@@ -111,6 +113,7 @@ def test_load_balance_sums_add_up_over_microbatches():
     np.testing.assert_allclose(halves[0][key] + halves[1][key], whole[key], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "layout",
   [
@@ -227,6 +230,7 @@ def test_rows_over_capacity_take_no_send_slot_and_are_counted_once(megablox):
 # ---------------------------------------------------------------- router precision
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["sparse_matmul=true", "sparse_matmul=false"])
 def test_bfloat16_router_chooses_as_float32_does(dispatch):
   # transformers' DeepSeek-V3 router computes its logits in float32 whatever the model's dtype. Expert 1's logit is

@@ -176,6 +176,7 @@ MSCALES = {
 
 # Every mscale case at factor 4, and one at DeepSeek-V3's 40: the factor changes the numbers, not the code path (the
 # formulas at 40 are test_maxlite_yarn_exports_the_scales_it_computes's).
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mscales,factor", [*((name, 4.0) for name in MSCALES), ("both_different", 40.0)], ids=lambda v: str(v)
 )
@@ -237,6 +238,7 @@ def test_maxlite_yarn_exports_the_scales_it_computes(factor, mscale, attention_f
   assert mla_query_scale(config) == pytest.approx(yarn_apply_mscale(hf_config.rope_parameters, head**-0.5), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_model_run_with_mscale_0_exports_what_it_computes(tmp_path):
   """mscale=0 (no softmax factor) on a converted YaRN model: transformers' reload of the export gives MaxLite's
   logits (the export said 'no mscale', which transformers reads as cos/sin times 0.1 ln(factor) + 1)."""

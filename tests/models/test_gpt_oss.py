@@ -63,6 +63,7 @@ OTHER_SHAPE = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, scan_layers", [("table", "true"), ("other", "false")])
 def test_packed_rows_give_each_document_its_own_logits_and_greedy_tokens(tmp_path, shape, scan_layers):
   model, path = hf_gpt_oss(tmp_path, **(OTHER_SHAPE if shape == "other" else {}))
@@ -108,6 +109,7 @@ def test_mxfp4_dequantizes_as_transformers_does():
     mxfp4.dequantize(blocks, scales[..., :3])
 
 
+@pytest.mark.slow
 def test_an_mxfp4_checkpoint_imports_with_the_dequantized_model_s_logits_and_exports_unquantized(tmp_path):
   """OpenAI's layout: gate_up_proj / down_proj as _blocks and _scales, quantization_config mxfp4. transformers' model
   given its own dequantization of them is the reference; the export writes them unquantized."""

@@ -150,6 +150,7 @@ def test_rollouts_sample_with_trl_s_defaults(monkeypatch):
     assert (seen["temperature"], seen["top_k"], seen["top_p"]) == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (5, 0.8)])
 def test_the_loss_scores_the_distribution_the_rollout_samples(top_k, top_p):
   """log pi(token) in the loss is the log-probability of the sampler's own distribution (temperature, then top-k,

@@ -75,6 +75,7 @@ def _torch_token_log_probs(model, ids):
   return out
 
 
+@pytest.mark.slow
 def test_sft_loss_with_completion_mask_equals_transformers(models):
   policy, _, config, params, _ = models
   rng = np.random.default_rng(0)

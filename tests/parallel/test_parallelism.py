@@ -156,6 +156,7 @@ def test_small_capacity_drops_later_choices_first_and_counts_them():
   assert expert_capacity(seq_len=64, num_experts=4, top_k=2, capacity_factor=-1) == 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", [("sparse_matmul=false",), ("megablox=false",), ("megablox=true",)])
 def test_moe_block_equals_per_token_loop(dispatch):
   config = make_config(*MOE, "max_target_length=16", "sparse_matmul=true", *dispatch)
@@ -311,6 +312,7 @@ def _compiled_temp_bytes(*overrides):
   return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_does_not_regather_activations():
   # Splitting the sequence must not cost more activation memory than splitting the batch the same
   # number of ways (a [batch, seq] reshape once made GSPMD replicate activations: 3x the temp bytes).

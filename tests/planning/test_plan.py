@@ -773,6 +773,7 @@ def compiled_matmul_flops():
   return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj"])
 def test_the_recomputation_the_planner_counts_is_at_most_what_the_compiled_step_recomputes(
   compiled_matmul_flops, policy

@@ -151,6 +151,7 @@ def test_every_runtime_requirement_is_used():
   assert not unused, f"requirements.txt lines that MaxLite never imports (explain them in NOT_IMPORTED): {unused}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", requirement_lines(RUNTIME))
 def test_removing_a_runtime_requirement_is_caught(line):
   problems = problems_with([other for other in requirement_lines(RUNTIME) if other != line])
@@ -200,6 +201,7 @@ def test_a_plain_training_run_loads_no_optional_library(tmp_path):
   assert proc.stdout.splitlines()[-1] == "loaded:", f"a plain training run {proc.stdout.splitlines()[-1]}"
 
 
+@pytest.mark.slow
 def test_a_gs_tensorboard_writer_after_a_local_one_in_one_process_can_write_to_the_bucket():
   """The local writer's import left tensorboardX without google-cloud-storage; a gs:// writer later in the same
   process (a notebook, a test) gets it back instead of tensorboardX's "must be installed" ImportError."""

@@ -168,6 +168,7 @@ def _check_command(tool: str, args: list[str], helps: dict[str, str], capsys: py
   return errors
 
 
+@pytest.mark.slow
 def test_readme_commands_use_only_flags_and_keys_their_tools_accept(capsys):
   helps = help_texts()
   errors = [error for tool, args in README_COMMANDS for error in _check_command(tool, args, helps, capsys)]

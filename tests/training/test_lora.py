@@ -4,6 +4,7 @@ with adapters learn, DPO's reference is the base with the adapters off, bad keys
 import math
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -49,8 +50,9 @@ def base(tmp_path_factory):
   return str(out / "pre" / "checkpoints" / "2")
 
 
-def _lora_run(tmp_path, base, name, *extra):
-  config = make_config(
+def _lora_config(tmp_path, base, name, *extra):
+  """6 steps of a LoRA run on the shipped data from `base`, with a checkpoint at step 3."""
+  return make_config(
     *COMMON,
     *LORA,
     "dataset_type=grain",
@@ -58,20 +60,18 @@ def _lora_run(tmp_path, base, name, *extra):
     f"load_parameters_path={base}",
     f"base_output_directory={tmp_path}",
     f"run_name={name}",
-    "learning_rate_schedule_steps=6",
+    "steps=6",
+    "checkpoint_period=3",
     *extra,
   )
-  return train(config, first_devices(1))
 
 
 @pytest.mark.slow
 def test_only_the_adapters_train_are_saved_and_resume_bit_for_bit(tmp_path, base):
-  straight = _lora_run(tmp_path, base, "a", "steps=6")
+  config = _lora_config(tmp_path, base, "a")
+  straight = train(config, first_devices(1))
   assert _losses(straight)[-1] < _losses(straight)[0]
-  first = _lora_run(tmp_path, base, "b", "steps=3")
-  second = _lora_run(tmp_path, base, "b", "steps=6")
-  assert [r["step"] for r in second if "loss" in r] == [4, 5, 6]
-  assert _losses(first) + _losses(second) == _losses(straight)  # bit for bit
+  _replayed_from_the_previous_checkpoint(straight, tmp_path / "a", config)
   # The checkpoint holds the adapters and their optimizer state, nothing of the base.
   names = saved_arrays(str(tmp_path / "a" / "checkpoints" / "6" / "state"))
   params = [n for n in names if n.startswith("params.")]
@@ -116,13 +116,14 @@ def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_le
     "eval_interval=10",
     "eval_steps=2",
   )
-  sft = train(make_config(*sft_args, "run_name=sft", "steps=20"), first_devices(1))
+  sft = train(make_config(*sft_args, "run_name=sft", "steps=20", "checkpoint_period=10"), first_devices(1))
   evals = [r["eval_loss"] for r in sft if "eval_loss" in r]
   print("SFT with LoRA, eval loss at steps 10 and 20:", evals)
   assert evals[-1] < evals[0]
-  # Killed at step 10 and started again: the same losses bit for bit.
-  halves = [train(make_config(*sft_args, "run_name=sft_halves", f"steps={n}"), first_devices(1)) for n in (10, 20)]
-  assert _losses(halves[0]) + _losses(halves[1]) == _losses(sft)
+  # Killed after step 20, before its save: resumed from step 10, steps 11-20 again, the same losses bit for bit.
+  _replayed_from_the_previous_checkpoint(
+    sft, tmp_path / "sft", make_config(*sft_args, "run_name=sft", "steps=20", "checkpoint_period=10")
+  )
   pairs = tmp_path / "pairs.jsonl"  # the first 4 shipped pairs, learnt and evaluated
   with open(f"{POST}/preferences-train.jsonl") as f:
     pairs.write_text("".join(f.readline() for _ in range(4)))
@@ -138,14 +139,25 @@ def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_le
     "eval_interval=16",
     "eval_steps=2",
   )
-  dpo = train(make_config(*dpo_args, "run_name=dpo", "steps=16"), first_devices(1))
+  dpo = train(make_config(*dpo_args, "run_name=dpo", "steps=16", "checkpoint_period=8"), first_devices(1))
   np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)  # adapters at zero: the policy is the reference
-  # Killed at step 8 and started again: the same losses bit for bit (the reference, a merged LoRA step, is re-read).
-  halves = [train(make_config(*dpo_args, "run_name=dpo_halves", f"steps={n}"), first_devices(1)) for n in (8, 16)]
-  assert _losses(halves[0]) + _losses(halves[1]) == _losses(dpo)
+  # Resumed from step 8: the same losses bit for bit (the reference, a merged LoRA step, is read again).
+  _replayed_from_the_previous_checkpoint(
+    dpo, tmp_path / "dpo", make_config(*dpo_args, "run_name=dpo", "steps=16", "checkpoint_period=8")
+  )
   (final,) = [r for r in dpo if "eval_loss" in r]
   print("DPO with LoRA after 16 steps on 4 shipped pairs:", final)  # at step 0 every reward is 0: accuracy 0
   assert final["eval_rewards/accuracies"] > 0.5 and final["eval_loss"] < math.log(2)
+
+
+def _replayed_from_the_previous_checkpoint(rows, run_dir, config):
+  """The run that logged `rows`, as if killed after its last step before that step's save: run again with its
+  `config`, it resumes from the checkpoint before and replays the steps after it with the same losses, bit for bit."""
+  shutil.rmtree(run_dir / "checkpoints" / str(config.steps))
+  period = config.checkpoint_period
+  again = train(config, first_devices(1))
+  assert [r["step"] for r in again if "loss" in r] == list(range(period + 1, config.steps + 1))
+  assert _losses(again) == _losses(rows)[period:]
 
 
 @pytest.fixture(scope="module")
@@ -374,10 +386,8 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
     f"QLoRA vs dequantized base {np.abs(ours - want).max():.2e}, vs float base {np.abs(ours - unquantized).max():.2e}"
   )
   assert np.abs(ours - want).max() < 1e-4 < 1e-2 < np.abs(ours - unquantized).max()
-  straight = _lora_run(tmp_path, base, "q", *QLORA, "steps=6")
-  first = _lora_run(tmp_path, base, "q2", *QLORA, "steps=3")
-  second = _lora_run(tmp_path, base, "q2", *QLORA, "steps=6")
-  assert _losses(first) + _losses(second) == _losses(straight)
+  qlora = _lora_config(tmp_path, base, "q", *QLORA)
+  _replayed_from_the_previous_checkpoint(train(qlora, first_devices(1)), tmp_path / "q", qlora)
   # DPO over a QLoRA base: the reference is that quantized base with the adapters off, so the first loss is log 2.
   dpo = train(
     make_config(

@@ -74,6 +74,7 @@ def test_split_losses_never_hold_the_whole_logits(split):
   assert untiled >= whole > 4 * in_parts
 
 
+@pytest.mark.slow
 def test_tiled_bfloat16_loss_adds_the_head_gradient_in_float32():
   keys = jax.random.split(jax.random.key(3), 3)
   hidden = jax.random.normal(keys[0], (2, 256, 32)).astype(jnp.bfloat16)
@@ -167,6 +168,7 @@ def test_mlp_in_token_chunks_never_holds_all_its_activations():
   assert whole >= 2 * one_activation and chunked < whole / 4
 
 
+@pytest.mark.slow
 def test_bfloat16_weight_gradients_of_mlp_parts_stay_near_the_whole_blocks():
   """Each device adds up its parts' weight gradients in the compute dtype (bfloat16 here) before the one
   reduce-scatter: 16 parts measured 1.25x the whole block's distance from the float32 gradient (0.0074 vs 0.0060)."""
@@ -213,6 +215,7 @@ def test_mlp_chunks_that_cannot_split_a_sequence_shard_are_one_line():
     make_config(*RUN, "num_mlp_chunks=128", "ici_sequence_parallelism=2", "ici_fsdp_parallelism=4", num_devices=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "layout",
   [("ici_fsdp_parallelism=8",), ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2")],

@@ -43,6 +43,7 @@ def _assert_trees_equal(actual, expected):
   jax.tree.map(np.testing.assert_array_equal, _host(actual), _host(expected))
 
 
+@pytest.mark.slow
 def test_nnx_training_step_on_fsdp_mesh_equals_maxlites(tmp_path):
   config = make_config(*TINY, f"base_output_directory={tmp_path}", "enable_checkpointing=false", num_devices=8)
   mesh = create_mesh(config, first_devices(8))
@@ -89,6 +90,7 @@ def test_nnx_training_step_on_fsdp_mesh_equals_maxlites(tmp_path):
   assert len(model.decoder["layers"]["mlp"]["wi_0"]["kernel"][...].sharding.device_set) == 8  # still sharded
 
 
+@pytest.mark.slow
 def test_checkpoints_round_trip_through_the_nnx_module(tmp_path):
   args = (*TINY, f"base_output_directory={tmp_path}")
   train(make_config(*args, "run_name=src", "steps=1", "enable_checkpointing=true", num_devices=8), first_devices(8))

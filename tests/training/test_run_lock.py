@@ -111,6 +111,7 @@ def test_lock_records_the_owner_refuses_a_second_holder_and_is_released_on_error
   assert not path.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("under", ["file", "proc"])
 def test_an_unwritable_output_directory_is_one_line_at_start(tmp_path, under):
   if under == "file":
@@ -327,6 +328,7 @@ def test_metrics_are_not_written_once_the_lock_is_lost(bucket, monkeypatch):
   assert server.objects("locks", "rows/") == []  # neither the rows nor the lock
 
 
+@pytest.mark.slow
 def test_a_run_without_checkpoints_checks_its_lock_before_writing_metrics(bucket, monkeypatch):
   """With enable_checkpointing=false there is no save to check the lock before: the metrics rows are checked."""
   from MaxLite import storage

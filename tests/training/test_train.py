@@ -256,6 +256,7 @@ def test_metrics_in_a_bucket_are_uploaded_at_most_every_few_seconds(monkeypatch)
   assert len(uploads) == 2  # nothing new to write
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_each_step_once(tmp_path):
   """A run killed after logging step 4 with its last checkpoint at 2 replays steps 3 and 4: metrics.jsonl keeps one
   row per step (the replayed ones), not 1 2 3 4 3 4 5 6. In a bucket: end_to_end/test_gcs.py kills a real run there
