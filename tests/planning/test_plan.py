@@ -255,6 +255,19 @@ def test_impossible_requests_are_one_line(args, message, tmp_path):
   assert "Traceback" not in done.stderr
 
 
+def test_a_plan_that_does_not_compile_is_one_line_in_its_result_not_a_crash_of_the_search():
+  """A compile that fails for another reason than memory (here: the plan's config was resolved for 4 devices and
+  the target has 8) is that plan's `error`, with its type; the search goes on with the other plans."""
+  from support.config import make_config
+
+  from MaxLite.planning import search
+
+  config = make_config("model_name=tiny", "ici_fsdp_parallelism=4", "dataset_type=synthetic", num_devices=4)
+  result = search.evaluate(config.to_dict(), "cpu-8", 1)
+  assert result["fits"] is False and result["compile_s"] >= 0
+  assert result["error"] == "ValueError: config was resolved for 4 devices but 8 were given", result
+
+
 @pytest.mark.slow
 def test_the_model_predicts_tensor_8_slower_than_fsdp_8(tmp_path):
   """Two plans for the same model, batch and remat policy on the 8 simulated devices, differing only in layout: the
