@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.config import REPO, first_devices, make_config
+from support.resume import rerun_from_the_checkpoint_before_the_last
 
 from MaxLite.cli.errors import ConfigError
 from MaxLite.config import objectives
@@ -228,10 +229,9 @@ def test_orpo_trains_and_a_resume_equals_the_uninterrupted_run(tmp_path, lora):
   assert {"nll_loss", "log_odds_ratio", "rewards/accuracies"} <= set(whole[-1])
   assert whole[-1]["loss"] < whole[0]["loss"]
   # Killed after step 4, before its save, in effect: the checkpoint at 2 restarts it, and steps 3-4 run again.
-  import shutil
-
-  shutil.rmtree(tmp_path / "whole" / "checkpoints" / "4")
-  resumed = train(make_config(*common, "run_name=whole", "steps=4", "checkpoint_period=2"), first_devices(1))
+  resumed = rerun_from_the_checkpoint_before_the_last(
+    make_config(*common, "run_name=whole", "steps=4", "checkpoint_period=2")
+  )
   assert [r["step"] for r in resumed] == [3, 4]
   assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
 

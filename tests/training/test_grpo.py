@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import textwrap
 
 import jax
 import numpy as np
 import pytest
 from support.config import BASE_YML, TINY, first_devices, make_config
+from support.resume import rerun_from_the_checkpoint_before_the_last
 
 from MaxLite.checkpoint.manager import saved_arrays
 from MaxLite.cli.errors import ConfigError, InputError
@@ -86,13 +86,11 @@ def test_grpo_learns_logs_trl_s_metrics_and_resumes_bit_for_bit(tmp_path, reward
   (the sampler's keys come from the step), same rewards, same losses, same final weights."""
   common = ("num_iterations=2", "grpo_beta=0.04", "checkpoint_period=2", "loss_algo=gspo-token")
   common += ("learning_rate_schedule_steps=8",)
-  _, whole = _run(tmp_path, "whole", reward_file, *common, "steps=4")
+  config, whole = _run(tmp_path, "whole", reward_file, *common, "steps=4")
   rows = _steps(whole)
   final = tmp_path / "whole" / "checkpoints" / "4"
   a = _arrays(final / "state")
-  shutil.rmtree(final)
-  _, rest = _run(tmp_path, "whole", reward_file, *common, "steps=4")
-  assert [r["step"] for r in _steps(rest)] == [3, 4]
+  rest = rerun_from_the_checkpoint_before_the_last(config)
   for key in ("loss", "reward", "kl", "grad_norm", "completions/mean_length", "rewards/digits/mean"):
     assert [r[key] for r in rows[2:]] == [r[key] for r in _steps(rest)], key
   b = _arrays(final / "state")
@@ -172,10 +170,9 @@ def test_lora_and_qlora_train_under_grpo_and_resume_bit_for_bit(tmp_path, reward
   """The adapters alone change; the reference is the base with the adapters off (no second copy)."""
   lora = ("enable_lora=true", "lora_rank=4", "lora_alpha=8", f"lora_weight_qtype={qtype}", "grpo_beta=0.04")
   extra = (*lora, f"load_parameters_path={base_checkpoint}", "checkpoint_period=1", "learning_rate_schedule_steps=2")
-  _, whole = _run(tmp_path, "whole", reward_file, *extra, "steps=2")
-  shutil.rmtree(tmp_path / "whole" / "checkpoints" / "2")  # killed after step 2, before its save, in effect
-  _, rest = _run(tmp_path, "whole", reward_file, *extra, "steps=2")
-  assert [r["step"] for r in _steps(rest)] == [2] and _steps(whole)[-1]["loss"] == _steps(rest)[-1]["loss"]
+  config, whole = _run(tmp_path, "whole", reward_file, *extra, "steps=2")
+  rest = rerun_from_the_checkpoint_before_the_last(config)  # step 2 again, from step 1's checkpoint
+  assert _steps(whole)[-1]["loss"] == _steps(rest)[-1]["loss"]
   # One iteration per batch: the first step's policy is its reference (the base with the adapters at zero).
   assert _steps(whole)[0]["kl"] == 0.0 and any(r["grad_norm"] > 0 for r in _steps(whole))
   saved = saved_arrays(str(tmp_path / "whole" / "checkpoints" / "2" / "state"))

@@ -4,13 +4,13 @@ with adapters learn, DPO's reference is the base with the adapters off, bad keys
 import math
 import os
 import re
-import shutil
 
 import jax
 import numpy as np
 import pytest
 from support.config import REPO, TINY, first_devices, make_config
 from support.layouts import DENSE, loss_curves, train_layout
+from support.resume import rerun_from_the_checkpoint_before_the_last
 
 from MaxLite.checkpoint.manager import saved_arrays
 from MaxLite.cli.errors import ConfigError
@@ -71,7 +71,7 @@ def test_only_the_adapters_train_are_saved_and_resume_bit_for_bit(tmp_path, base
   config = _lora_config(tmp_path, base, "a")
   straight = train(config, first_devices(1))
   assert _losses(straight)[-1] < _losses(straight)[0]
-  _replayed_from_the_previous_checkpoint(straight, tmp_path / "a", config)
+  _replayed_from_the_previous_checkpoint(straight, config)
   # The checkpoint holds the adapters and their optimizer state, nothing of the base.
   names = saved_arrays(str(tmp_path / "a" / "checkpoints" / "6" / "state"))
   params = [n for n in names if n.startswith("params.")]
@@ -122,7 +122,7 @@ def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_le
   assert evals[-1] < evals[0]
   # Killed after step 20, before its save: resumed from step 10, steps 11-20 again, the same losses bit for bit.
   _replayed_from_the_previous_checkpoint(
-    sft, tmp_path / "sft", make_config(*sft_args, "run_name=sft", "steps=20", "checkpoint_period=10")
+    sft, make_config(*sft_args, "run_name=sft", "steps=20", "checkpoint_period=10")
   )
   pairs = tmp_path / "pairs.jsonl"  # the first 4 shipped pairs, learnt and evaluated
   with open(f"{POST}/preferences-train.jsonl") as f:
@@ -142,22 +142,17 @@ def test_sft_with_lora_lowers_eval_loss_and_dpo_with_lora_starts_at_log_2_and_le
   dpo = train(make_config(*dpo_args, "run_name=dpo", "steps=16", "checkpoint_period=8"), first_devices(1))
   np.testing.assert_allclose(dpo[0]["loss"], math.log(2), rtol=1e-6)  # adapters at zero: the policy is the reference
   # Resumed from step 8: the same losses bit for bit (the reference, a merged LoRA step, is read again).
-  _replayed_from_the_previous_checkpoint(
-    dpo, tmp_path / "dpo", make_config(*dpo_args, "run_name=dpo", "steps=16", "checkpoint_period=8")
-  )
+  _replayed_from_the_previous_checkpoint(dpo, make_config(*dpo_args, "run_name=dpo", "steps=16", "checkpoint_period=8"))
   (final,) = [r for r in dpo if "eval_loss" in r]
   print("DPO with LoRA after 16 steps on 4 shipped pairs:", final)  # at step 0 every reward is 0: accuracy 0
   assert final["eval_rewards/accuracies"] > 0.5 and final["eval_loss"] < math.log(2)
 
 
-def _replayed_from_the_previous_checkpoint(rows, run_dir, config):
-  """The run that logged `rows`, as if killed after its last step before that step's save: run again with its
-  `config`, it resumes from the checkpoint before and replays the steps after it with the same losses, bit for bit."""
-  shutil.rmtree(run_dir / "checkpoints" / str(config.steps))
-  period = config.checkpoint_period
-  again = train(config, first_devices(1))
-  assert [r["step"] for r in again if "loss" in r] == list(range(period + 1, config.steps + 1))
-  assert _losses(again) == _losses(rows)[period:]
+def _replayed_from_the_previous_checkpoint(rows, config):
+  """The run that logged `rows`, its last checkpoint removed and run again (support.resume): the steps it runs again
+  have the same losses, bit for bit."""
+  again = rerun_from_the_checkpoint_before_the_last(config)
+  assert _losses(again) == _losses(rows)[-len(_losses(again)) :]
 
 
 @pytest.fixture(scope="module")
@@ -387,7 +382,7 @@ def test_qlora_multiplies_by_the_quantized_base_and_resumes_bit_for_bit(tmp_path
   )
   assert np.abs(ours - want).max() < 1e-4 < 1e-2 < np.abs(ours - unquantized).max()
   qlora = _lora_config(tmp_path, base, "q", *QLORA)
-  _replayed_from_the_previous_checkpoint(train(qlora, first_devices(1)), tmp_path / "q", qlora)
+  _replayed_from_the_previous_checkpoint(train(qlora, first_devices(1)), qlora)
   # DPO over a QLoRA base: the reference is that quantized base with the adapters off, so the first loss is log 2.
   dpo = train(
     make_config(
