@@ -8,7 +8,10 @@ Unigram, byte fallback, control pieces special. transformers 5's LlamaTokenizer 
 load with a pre-tokenizer that adds no "▁" before text starting with a space (" a": [▁a] where sentencepiece gives
 [▁, ▁a]), so tokenizer_config.json names PreTrainedTokenizerFast, which runs tokenizer.json as written (transformers
 4.x and 5 alike). Before it is written the built tokenizer must encode awkward text (and a sample of the vocabulary)
-exactly as sentencepiece does; a model it cannot reproduce ships as tokenizer.model alone, with a warning.
+exactly as sentencepiece does; a model it cannot reproduce ships as tokenizer.model alone, with a warning. A
+Unigram model whose scores are off a coarse grid usually cannot be: sentencepiece adds scores in float32, tokenizers
+in float64, and the two break ties between segmentations of one character's runs differently (MaxLite's
+train_tokenizer puts scores on such a grid: data.tokenizer_training.on_exact_grid).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from MaxLite import storage
 
 # Where converted sentencepiece tokenizers usually part from sentencepiece: the dummy prefix before leading and
 # repeated spaces, tabs and newlines, digits, bytes outside the vocabulary, the literal "▁", full-width and combining
-# characters (normalization rules), an empty string.
+# characters (normalization rules), runs of one character (ties between segmentations), an empty string.
 PROBES = (
   "Hello world",
   " leading space",
@@ -33,6 +36,8 @@ PROBES = (
   "Ｆｕｌｌ width ½ ﬁ e\u0301",
   "",
 )
+# Each run on its own: whether float32 and float64 break a tie the same way turns on the score of the text before it.
+RUNS = tuple(f"{'x' * m}{c * n}x" for c in " \t-=#*0" for m in range(1, 6) for n in range(1, 33))
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # sentencepiece's piece types
 _UNIGRAM, _BPE = 1, 2
@@ -78,7 +83,7 @@ def _write_sentencepiece(path: str, output_path: str, add_bos: bool) -> list[str
     logging.warning("to_hf: %s is neither BPE nor Unigram; only tokenizer.model is written", path)
     return ["tokenizer.model"]
   pieces = [p.piece.replace("▁", " ") for p in proto.pieces if p.type == _NORMAL]
-  samples = [*PROBES, "".join(pieces[::7]), " ".join(pieces[3::11])]
+  samples = [*PROBES, *RUNS, "".join(pieces[::7]), " ".join(pieces[3::11])]
   samples += [f"a{p.piece}b {p.piece}" for p in proto.pieces if p.type == _USER_DEFINED]
   for text in samples:
     if built.encode(text, add_special_tokens=False).ids != processor.encode(text):

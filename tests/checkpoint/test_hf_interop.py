@@ -28,6 +28,7 @@ from MaxLite.cli.errors import CheckpointError, InputError
 from MaxLite.decode import generate
 
 torch = pytest.importorskip("torch")
+sentencepiece_model_pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
 transformers = pytest.importorskip("transformers")
 
 
@@ -174,33 +175,86 @@ def test_export_carries_a_tokenizer_autotokenizer_reads_as_maxlite_encodes(tmp_p
     assert "tokenizer.model" in files  # for sentencepiece readers (llama.cpp, vLLM's slow path)
 
 
-@pytest.mark.parametrize("kind", ["maxlite_unigram", "sentencepiece_defaults"])
+@pytest.mark.parametrize("kind", ["maxlite_unigram", "bpe", "unigram"])
 def test_other_sentencepiece_models_export_as_they_encode(tmp_path, monkeypatch, kind):
-  """A Unigram model from MaxLite's train_tokenizer, and a BPE with sentencepiece's own defaults (NFKC rules, extra
-  whitespace removed, no byte fallback): AutoTokenizer on the written files gives sentencepiece's ids."""
+  """A Unigram model from MaxLite's train_tokenizer, and a BPE and a Unigram with sentencepiece's own defaults (NFKC
+  rules, extra whitespace removed, no byte fallback; the Unigram's scores put on the grid train_tokenizer uses):
+  AutoTokenizer on the written files gives sentencepiece's ids."""
   import sentencepiece as spm
 
   from MaxLite.checkpoint.tokenizer_export import write_tokenizer
-  from MaxLite.data.tokenizer_training import sentences, train_tokenizer
+  from MaxLite.data.tokenizer_training import on_exact_grid, sentences, train_tokenizer
 
   corpus = os.path.join(os.path.dirname(BASE_YML), "..", "assets", "corpus", "train-00000-of-00004.array_record")
   prefix = str(tmp_path / "sp")
+  model = prefix + ".model"
   if kind == "maxlite_unigram":
-    model = train_tokenizer(corpus, prefix, 600, model_type="unigram", input_sentence_size=3000, num_threads=1)
+    train_tokenizer(corpus, prefix, 600, model_type="unigram", input_sentence_size=3000, num_threads=1)
   else:
     lines = sentences([corpus], "text")
     spm.SentencePieceTrainer.train(
-      sentence_iterator=lines, model_prefix=prefix, vocab_size=600, input_sentence_size=3000, minloglevel=2
+      sentence_iterator=lines,
+      model_prefix=prefix,
+      model_type=kind,
+      vocab_size=600,
+      input_sentence_size=3000,
+      minloglevel=2,
     )
-    model = prefix + ".model"
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(open(model, "rb").read())
+    open(model, "wb").write(on_exact_grid(proto).SerializeToString())
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   config = types.SimpleNamespace(tokenizer_type="sentencepiece", tokenizer_path=model, add_bos=True)
   os.makedirs(tmp_path / "export")
   assert "tokenizer.json" in write_tokenizer(config, str(tmp_path / "export"))
   theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"), local_files_only=True)
   ours = spm.SentencePieceProcessor(model_file=model)
-  for text in AWKWARD_TEXTS + ["Ｆｕｌｌ width ½ ﬁ e\u0301 <0x41>"]:
+  for text in AWKWARD_TEXTS + ["Ｆｕｌｌ width ½ ﬁ e\u0301 <0x41>", RUNS]:
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text), text
+
+
+# Runs of one character, between other characters: where segmentations tie ("▁▁▁" + "▁▁▁▁▁" or "▁▁▁▁▁" + "▁▁▁").
+RUNS = "".join("x" * (n % 5 + 1) + c * n for c in " -" for n in range(1, 33))
+
+
+def _unigram_with_a_float32_tie():
+  """A Unigram model on which sentencepiece (float32 sums) and tokenizers (float64) split "xxxx" + 11 spaces + "x"
+  differently: [▁▁▁, ▁▁▁▁▁, ▁▁▁] and [▁▁▁, ▁▁▁, ▁▁▁▁▁]."""
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.trainer_spec.model_type, proto.trainer_spec.unk_id, proto.trainer_spec.bos_id = 1, 0, -1
+  proto.trainer_spec.eos_id = proto.trainer_spec.pad_id = -1
+  proto.normalizer_spec.name = "identity"
+  proto.normalizer_spec.add_dummy_prefix = proto.normalizer_spec.remove_extra_whitespaces = False
+  scores = {"x": -5.869627, "▁": -6.73489, "▁▁▁": -1.6850755, "▁▁▁▁▁": -11.103114}
+  for text, score, kind in [("<unk>", 0.0, 2)] + [(p, s, 1) for p, s in scores.items()]:
+    piece = proto.pieces.add()
+    piece.piece, piece.score, piece.type = text, score, kind
+  return proto
+
+
+def test_a_unigram_model_whose_ties_float32_breaks_otherwise_is_exported_once_on_the_grid(tmp_path, caplog):
+  """Off the score grid, the tokenizer.json would split a run of spaces otherwise than sentencepiece: refused, and the
+  refusal does not hang on which vocabulary sample is drawn. Rounded as train_tokenizer rounds its models'
+  scores (on_exact_grid), it is written and AutoTokenizer gives sentencepiece's ids on every run."""
+  import sentencepiece as spm
+
+  from MaxLite.checkpoint.tokenizer_export import write_tokenizer
+  from MaxLite.data.tokenizer_training import on_exact_grid
+
+  for name, proto in [("off", _unigram_with_a_float32_tie()), ("on", on_exact_grid(_unigram_with_a_float32_tie()))]:
+    model = tmp_path / f"{name}.model"
+    model.write_bytes(proto.SerializeToString())
+    config = types.SimpleNamespace(tokenizer_type="sentencepiece", tokenizer_path=str(model), add_bos=False)
+    os.makedirs(tmp_path / name)
+    written = write_tokenizer(config, str(tmp_path / name))
+    if name == "off":
+      assert written == ["tokenizer.model"] and "differently from sentencepiece" in caplog.text
+      continue
+    assert "tokenizer.json" in written
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / name), local_files_only=True)
+    ours = spm.SentencePieceProcessor(model_file=str(model))
+    for text in [RUNS, "xxxx" + " " * 11 + "x"]:
+      assert theirs.encode(text, add_special_tokens=False) == ours.encode(text), text
 
 
 def test_a_tokenizer_json_that_would_encode_differently_is_not_written(tmp_path, monkeypatch, caplog):
