@@ -171,9 +171,13 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   assert all(int(n.split(".")[0]) > complete for n in partial)
   manager = ocp.CheckpointManager(str(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True))
   assert manager.latest_step() == complete
-  resumed = _run_losses(tmp_path, (*run_args, f"steps={complete + 2}"), "b")
-  straight = _run_losses(tmp_path, (*args, f"steps={complete + 2}"), "a")
-  assert {s: resumed[s] for s in (complete + 1, complete + 2)} == {s: straight[s] for s in (complete + 1, complete + 2)}
+  # The killed run is uninterrupted up to the kill, and a step's row is written before its save starts: the steps
+  # after `complete` that it logged are the reference the resumed run must replay bit for bit.
+  killed = procs.losses(procs.metric_rows(str(tmp_path / "b" / "metrics.jsonl")))
+  replayed = range(complete + 1, max(killed) + 1)
+  assert replayed, killed
+  resumed = _run_losses(tmp_path, (*run_args, f"steps={max(killed) + 1}"), "b")
+  assert {s: resumed[s] for s in replayed} == {s: killed[s] for s in replayed}
 
 
 def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):

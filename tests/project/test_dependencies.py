@@ -8,6 +8,7 @@ Import names map to distributions through `importlib.metadata`, so `yaml` is PyY
 """
 
 import ast
+import functools
 import importlib.metadata
 import os
 import pathlib
@@ -84,6 +85,7 @@ class _Imports(ast.NodeVisitor):
       self.found.append((node.module, f"{self.where}:{node.lineno}", self.depth > 0))
 
 
+@functools.cache  # the package's files do not change during a test run; every removal case reads them
 def third_party_imports(root: pathlib.Path) -> dict[str, list[tuple[str, bool]]]:
   """{top-level module: [('file:line', imported inside a function), ...]} of every absolute import under `root`."""
   found: dict[str, list[tuple[str, bool]]] = {}
@@ -97,12 +99,18 @@ def third_party_imports(root: pathlib.Path) -> dict[str, list[tuple[str, bool]]]
   return found
 
 
+@functools.cache
+def _owners() -> dict[str, list[str]]:
+  """{import name: [distributions]} of this environment (importlib.metadata reads every installed package's files)."""
+  return importlib.metadata.packages_distributions()
+
+
 def undeclared(imports: dict[str, list[tuple[str, bool]]], runtime: set[str], extras: set[str]) -> list[str]:
   """One line per import that a plain install would not satisfy, naming the module and where it is imported.
 
   A module of a runtime distribution may be imported anywhere. One that only an extra installs (libtpu, with
   jax[tpu]) may only be imported inside the function of its feature, so a plain install still imports MaxLite."""
-  owners = importlib.metadata.packages_distributions()
+  owners = _owners()
   problems = []
   for module, places in sorted(imports.items()):
     # Not installed here (libtpu): then the distribution must carry the module's name.
@@ -141,7 +149,7 @@ def test_every_third_party_import_is_declared():
 
 def test_every_runtime_requirement_is_used():
   """A line nobody imports and nobody explains is either dead or a reason nobody wrote down."""
-  owners = importlib.metadata.packages_distributions()
+  owners = _owners()
   imported = {normalized(d) for module in third_party_imports(PACKAGE) for d in owners.get(module, [module])}
   unused = [
     line
@@ -156,7 +164,7 @@ def test_every_runtime_requirement_is_used():
 def test_removing_a_runtime_requirement_is_caught(line):
   problems = problems_with([other for other in requirement_lines(RUNTIME) if other != line])
   name = normalized(_REQUIREMENT.match(line).group(1))
-  owners = importlib.metadata.packages_distributions()
+  owners = _owners()
   modules = {normalized(m) for m, dists in owners.items() if name in {normalized(d) for d in dists}} | {name}
   named = [p for p in problems if normalized(p.split()[0]) in modules]
   assert named, f"removing '{line}' from requirements.txt went unnoticed (or named something else: {problems})"
