@@ -6,12 +6,12 @@ the dependency order: convert before train before decode) and one file, end_to_e
 so the parts run side by side under pytest-xdist. A part needs nothing another part wrote: a cut goes only where the
 commands after it read no file the commands before it made.
 
-The one addition is the README's documented cap (`CAP` below: a few steps, a short planner budget), appended to every
-command that reads configs/base.yml. What a command downloads or the user brings is a small stand-in at the path the
-README names (standins.py: tiny random Hugging Face folders, the user's text and Parquet files made from the shipped
-corpus), made only for the parts whose commands name it. Commands that need a TPU, a bucket, a GPU cluster, or that
-are this suite's own set-up, are reported as skipped, each by name with its reason (`pytest -ra` lists them); a
-command that neither runs nor has a reason fails.
+The one addition is the README's documented cap (`CAP` below: a few steps, one eval batch, a short planner budget),
+appended to every command that reads configs/base.yml. What a command downloads or the user brings is a small stand-in
+at the path the README names (standins.py: tiny random Hugging Face folders, the user's text and Parquet files made
+from the shipped corpus), made only for the parts whose commands name it. Commands that need a TPU, a bucket, a GPU
+cluster, or that are this suite's own set-up, are reported as skipped, each by name with its reason (`pytest -ra`
+lists them); a command that neither runs nor has a reason fails.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import standins
 
 README = os.path.join(procs.REPO, "README.md")
 # The README's documented cap for a laptop (its "Tests" section says so): appended to every config-reading command.
-CAP = ("steps=2", "plan_time_budget_s=0", "plan_workers=1")
+CAP = ("steps=2", "eval_steps=1", "plan_time_budget_s=0", "plan_workers=1")
 # Lines that do not run here, and why: (pattern on the command line, reason). Each must match some README line.
 SKIPPED = (
   (r"^DEVICE=gpu ", "needs a GPU cluster"),
@@ -45,10 +45,11 @@ SKIPPED = (
   (r"^srun ", "needs a SLURM cluster with GPUs"),
   (r"^tokenizer_(type|path)=", "a fragment of the command lines above, not a command"),
   (
-    r"train_compile\.py .*model_name=llama2-7b",
-    "a pod-scale libtpu compile like the llama2-70b one this file runs (a minute of libtpu each); "
-    "tests/aot/test_train_compile.py compiles the step for v5p and tests/project/test_readme_commands.py checks the "
-    "line's tool, keys and values",
+    r"(train_compile|plan)\.py .*model_name=llama2-",
+    "a pod-scale libtpu compile (80 s on a 2-core VM, twice that beside another test): the memory it prints is a "
+    "measurement, whose figures the README's tables give with their date; tests/aot/test_train_compile.py and "
+    "tests/planning/test_plan.py run both tools for v5p (plan.py starting from train_compile.py's cache included), and "
+    "tests/project/test_readme_commands.py checks the line's tool, keys and values",
   ),
 )
 # The parts, in README order: (name, the heading it starts at). Each runs up to the next part's heading.

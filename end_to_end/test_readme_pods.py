@@ -1,5 +1,6 @@
-"""The README's pod parts, run as written (end_to_end/readme.py says how): train_compile.py and plan.py for TPU
-topologies with the libtpu setup.sh installs; the cluster commands are skipped with their reasons."""
+"""The README's pod parts (end_to_end/readme.py says how): each line is listed, and skipped with its reason: the
+cluster commands need TPU VMs, a bucket or a GPU cluster, and the pod-scale compiles are measurements (readme.SKIPPED
+names the tests that run train_compile.py and plan.py for v5p)."""
 
 from __future__ import annotations
 

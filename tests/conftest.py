@@ -30,35 +30,40 @@ def tmp_outputs(tmp_path):
 
 # The suite runs with --dist loadfile: each worker takes the next file when it is free, in this order (pytest.ini's
 # --no-loadscope-reorder keeps it; xdist's default puts the files with the most tests first, which left the longest
-# file, end_to_end/test_gcs.py with 9 tests, for the end while the other worker idled). Files that take longest go first
-# (measured with --durations on 2 cores: seconds per file roughly as listed), so the last file a worker gets is a
-# short one. Real-process files alternate with in-process ones so the two workers' launches overlap less on two cores.
+# file, end_to_end/test_gcs.py with 9 tests, for the end while the other worker idled). Files that take longest go
+# first (measured with --durations on 2 cores, 2026-12-07: seconds per file roughly as listed), so the last file a
+# worker gets is a short one. Real-process files alternate with in-process ones so the two workers' launches overlap
+# less on two cores.
 LONGEST_FILES_FIRST = (
-  "end_to_end/test_readme_pods.py",  # ~180 s
-  "end_to_end/test_gcs.py",  # ~330 s
-  "tests/layers/test_quantization.py",  # ~55 s
-  "end_to_end/test_multiprocess.py",  # ~260 s
-  "tests/layers/test_attention.py",  # ~130 s
-  "end_to_end/test_fine_tuning.py",  # ~130 s
-  "end_to_end/test_readme_fine_tuning.py",  # ~110 s
-  "tests/models/test_deepseek.py",  # ~75 s
-  "tests/checkpoint/test_hf_models.py",  # ~50 s
-  "tests/planning/test_plan.py",  # ~110 s
-  "tests/training/test_ensemble.py",  # ~110 s
-  "tests/training/test_lora.py",  # ~100 s
+  "end_to_end/test_readme_fine_tuning.py",  # ~220 s
+  "tests/layers/test_attention.py",  # ~112 s
+  "end_to_end/test_gcs.py",  # ~220 s
   "tests/parallel/test_parallelism.py",  # ~100 s
-  "tests/parallel/test_feature_layouts.py",  # ~50 s
-  "end_to_end/test_kill_resume.py",  # ~100 s
-  "end_to_end/test_readme_ensembles_and_processes.py",  # ~65 s
-  "end_to_end/test_readme_checkpoints.py",  # ~60 s
-  "end_to_end/test_readme_first_steps.py",  # ~45 s
-  "tests/training/test_memory_options.py",
-  "end_to_end/test_benchmark_and_profile.py",
-  "tests/commands/test_cli.py",
-  "end_to_end/test_emergency_resume.py",
-  "tests/training/test_training_math.py",
-  "tests/checkpoint/test_checkpointing.py",
-  "tests/layers/test_layer_options.py",
+  "end_to_end/test_multiprocess.py",  # ~160 s
+  "tests/parallel/test_batch_shard_layouts.py",  # ~76 s
+  "end_to_end/test_kill_resume.py",  # ~140 s
+  "tests/training/test_ensemble.py",  # ~74 s
+  "end_to_end/test_readme_ensembles_and_processes.py",  # ~135 s
+  "tests/inference/test_decode.py",  # ~74 s
+  "end_to_end/test_readme_checkpoints.py",  # ~110 s
+  "tests/training/test_lora.py",  # ~71 s
+  "end_to_end/test_fine_tuning.py",  # ~70 s
+  "tests/checkpoint/test_hf_models.py",  # ~62 s
+  "end_to_end/test_readme_first_steps.py",  # ~70 s
+  "tests/planning/test_plan.py",  # ~62 s
+  "end_to_end/test_benchmark_and_profile.py",  # ~60 s
+  "tests/training/test_run_lock.py",  # ~58 s
+  "end_to_end/test_emergency_resume.py",  # ~37 s
+  "tests/models/test_deepseek.py",  # ~58 s
+  "tests/checkpoint/test_lora_hf.py",  # ~56 s
+  "tests/parallel/test_feature_layouts.py",  # ~54 s
+  "tests/checkpoint/test_checkpointing.py",  # ~52 s
+  "tests/training/test_grpo.py",  # ~45 s
+  "tests/training/test_memory_options.py",  # ~45 s
+  "tests/aot/test_train_compile.py",  # ~45 s
+  "tests/layers/test_quantization.py",  # ~40 s
+  "tests/training/test_train.py",  # ~36 s
+  "tests/layers/test_layer_options.py",  # ~34 s
 )
 
 

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 from support.config import BASE_YML, REPO
+from support.fast_compile import FAST_COMPILE
 
 PACKAGE = pathlib.Path(REPO) / "MaxLite"
 RUNTIME = pathlib.Path(REPO) / "requirements.txt"
@@ -202,7 +203,8 @@ def test_a_plain_training_run_loads_no_optional_library(tmp_path):
     "import sys; from MaxLite.training.start import run;"
     f"run({argv!r}); print('loaded:', *(m for m in {optional!r} if m in sys.modules))"
   )
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # One device, as a laptop run has (the suite's 8 simulated devices would only make the compile longer).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert (tmp_path / "r" / "checkpoints" / "1").is_dir() and list((tmp_path / "r" / "tensorboard").iterdir())
