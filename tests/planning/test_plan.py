@@ -930,13 +930,19 @@ def test_the_search_starts_no_compile_the_budget_cannot_finish(tmp_path, monkeyp
   monkeypatch.setattr(search, "evaluate", compile_for_a_second)
   monkeypatch.setattr(search.concurrent.futures, "ProcessPoolExecutor", _Threads)
   monkeypatch.setattr(search, "_best_seconds_per_token", lambda results: None)  # no frontier: only the budget stops
+  monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.4)  # a line at least this often while a compile runs
   plans = [candidates.Candidate({"i": i}, config={"i": i}) for i in range(6)]
   target = perf_model.planning_target("cpu-1")
-  started = time_.monotonic()
-  results, stopped = search.run_search(plans, target, 1, budget_s=2.5, workers=1, cache=str(tmp_path))
+  started, lines = time_.monotonic(), []
+  results, stopped = search.run_search(
+    plans, target, 1, budget_s=2.5, workers=1, cache=str(tmp_path), progress=lines.append
+  )
   spent = time_.monotonic() - started
   # compiles end at 1 s and 2 s; the third would end at 3 s, past the budget: it is not started
   assert len(results) == 2 and spent < 2.5, (spent, stopped)
+  # the bar moves while the first compile runs, with nothing answered yet: the time spent fills it
+  waiting = [line for line in lines if line.startswith("plan: [") and " 0 compiled, " in line]
+  assert waiting and all(re.search(r"0 compiled, 6 queued, \d/2.5 s$", line) for line in waiting), lines
   assert re.search(r"had \d s left, less than the slowest compile \(1 s\), with 4 plans not compiled", stopped), stopped
   assert re.search(r"; [12] s spent$", stopped), stopped
 
