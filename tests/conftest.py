@@ -51,6 +51,7 @@ LONGEST_FILES_FIRST = (
   "tests/checkpoint/test_hf_models.py",  # ~62 s
   "end_to_end/test_readme_first_steps.py",  # ~70 s
   "tests/planning/test_plan.py",  # ~62 s
+  "tests/parallel/test_context_parallelism.py",  # ~55 s
   "end_to_end/test_benchmark_and_profile.py",  # ~60 s
   "tests/training/test_run_lock.py",  # ~58 s
   "end_to_end/test_emergency_resume.py",  # ~37 s

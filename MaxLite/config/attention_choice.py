@@ -26,6 +26,7 @@ NARROW_VALUES = "values narrower than queries and keys"
 FLOAT32 = "float32 activations"
 SPLIT_SEQUENCE = "a sequence split over devices"
 SINKS = "attention sinks (a learned logit per head in the softmax)"
+LOAD_BALANCED = "a load-balanced sequence order (context_parallel_load_balance)"
 # cuDNN's packed layout has a fixed number of segments per row; MaxText's GPU configs use 32.
 GPU_SEGMENTS_PER_ROW = 32
 
@@ -44,14 +45,14 @@ KERNELS = {
     Kernel(
       "dot_product",
       ("cpu", "tpu", *_GPU),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS}),
+      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED}),
       "XLA, materialises [batch, heads, seq, seq] scores",
     ),
     # Values narrower than queries are zero-padded to the query width; sinks are the kernel's own (layers/splash.py).
     Kernel(
       "splash",
       ("tpu", "cpu"),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS}),
+      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED}),
       "the splash kernel",
     ),
     # jax's cuDNN fused attention: bf16 only, whole rows per device, no soft cap, no sinks; packed rows through cuDNN's
@@ -77,6 +78,8 @@ def needs(c: dict[str, Any], sequence_shards: int) -> dict[str, str]:
     out[FLOAT32] = "dtype=float32"
   if sequence_shards > 1:
     out[SPLIT_SEQUENCE] = f"sequence parallelism {sequence_shards}"
+    if c["context_parallel_load_balance"]:
+      out[LOAD_BALANCED] = "context_parallel_load_balance=true"
   return {**out, **families.family(c["decoder_block"]).attention_needs(c)}
 
 

@@ -27,6 +27,9 @@ AXIS_KEY = {
   "tensor": "tensor",
   "expert": "expert",
 }
+# context_parallel_strategy / _reorder_strategy: MaxText's values (parallel/context.py: what MaxLite computes).
+CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring", "ulysses", "usp")
+CONTEXT_REORDER_STRATEGIES = ("auto", "dual_chunk_swap", "striped")
 DTYPES = ("float32", "bfloat16")
 DATASET_TYPES = ("synthetic", "grain")
 SYNTHETIC_TOKENS = ("patterns", "uniform")

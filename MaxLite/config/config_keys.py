@@ -253,6 +253,7 @@ class ConfigKeys:
   ici_pipeline_parallelism: int
   ici_fsdp_parallelism: int
   ici_sequence_parallelism: int
+  ici_context_parallelism: int
   ici_tensor_parallelism: int
   ici_expert_parallelism: int
   dcn_ensemble_parallelism: int
@@ -260,6 +261,10 @@ class ConfigKeys:
   dcn_pipeline_parallelism: int
   dcn_fsdp_parallelism: int
   dcn_sequence_parallelism: int
+  dcn_context_parallelism: int
+  context_parallel_strategy: Literal["all_gather", "ring", "ulysses", "usp"]
+  context_parallel_load_balance: bool
+  context_parallel_reorder_strategy: Literal["auto", "dual_chunk_swap", "striped"]
   dcn_tensor_parallelism: int
   dcn_expert_parallelism: int
   num_pipeline_microbatches: int
@@ -330,6 +335,7 @@ class ConfigKeys:
   batch_mesh_axes: tuple[str, ...]
   num_pipeline_stages: int
   sequence_shards: int
+  context_parallel_reorder: str
   activation_batch_shards: int
   micro_batch_size: int
   global_batch_size_to_train_on: int

@@ -37,9 +37,29 @@ def default_run_name() -> str:
   return datetime.datetime.now().strftime("maxlite_%Y%m%d_%H%M%S")
 
 
-def resolve_parallelism(prefix: str, values: dict[str, int], total: int, what: str) -> dict[str, int]:
-  """Fill the single -1 in {axis: size} so the product equals `total`."""
-  keys = {axis: f"{prefix}_{AXIS_KEY[axis]}_parallelism" for axis in values}
+def axis_settings(keys: Mapping[str, Any], prefix: str) -> tuple[dict[str, int], dict[str, str]]:
+  """({mesh axis: size as set}, {mesh axis: the key that set it}) of the ici or dcn keys. The sequence axis has two
+  names: MaxLite's {prefix}_sequence_parallelism and MaxText's {prefix}_context_parallelism; a config sets one."""
+  values, names = {}, {}
+  for axis in MESH_AXES:
+    name = f"{prefix}_{AXIS_KEY[axis]}_parallelism"
+    value = keys[name]
+    alias = f"{prefix}_context_parallelism"
+    if axis == "sequence" and keys.get(alias, 1) != 1:
+      if value != 1:
+        raise ConfigError(
+          f"{alias}={keys[alias]} and {name}={value} both set the sequence axis (MaxText calls it context): set one"
+        )
+      name, value = alias, keys[alias]
+    values[axis], names[axis] = value, name
+  return values, names
+
+
+def resolve_parallelism(
+  prefix: str, values: dict[str, int], total: int, what: str, names: Mapping[str, str] | None = None
+) -> dict[str, int]:
+  """Fill the single -1 in {axis: size} so the product equals `total`; `names`: the key each axis was set by."""
+  keys = {axis: (names or {}).get(axis, f"{prefix}_{AXIS_KEY[axis]}_parallelism") for axis in values}
   for axis, value in values.items():
     if value == 0 or value < -1:
       raise ConfigError(f"{keys[axis]} must be a positive integer or -1, got {value}")
@@ -113,7 +133,7 @@ class Derived(BaseModel):
 
   @cached_property
   def _slices(self) -> int:
-    dcn = [self.keys[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES]
+    dcn = list(axis_settings(self.keys, "dcn")[0].values())
     slices, detected = self.keys["num_slices"], self.devices.detected_slices
     if slices == -1:
       slices = detected if detected > 1 or -1 in dcn else math.prod(dcn)
@@ -193,15 +213,15 @@ class Derived(BaseModel):
   @computed_field(description="devices per mesh axis within a slice, in choices.MESH_AXES order")
   @cached_property
   def ici_mesh_shape(self) -> list[int]:
-    ici = {a: self.keys[f"ici_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
+    ici, names = axis_settings(self.keys, "ici")
     per_slice = self.devices.num_devices // self._slices
-    return list(resolve_parallelism("ici", ici, per_slice, "devices per slice").values())
+    return list(resolve_parallelism("ici", ici, per_slice, "devices per slice", names).values())
 
   @computed_field(description="slices per mesh axis, in choices.MESH_AXES order")
   @cached_property
   def dcn_mesh_shape(self) -> list[int]:
-    dcn = {a: self.keys[f"dcn_{AXIS_KEY[a]}_parallelism"] for a in MESH_AXES}
-    return list(resolve_parallelism("dcn", dcn, self._slices, "slices").values())
+    dcn, names = axis_settings(self.keys, "dcn")
+    return list(resolve_parallelism("dcn", dcn, self._slices, "slices", names).values())
 
   @computed_field(description="the whole mesh per axis: ici_mesh_shape x dcn_mesh_shape")
   @cached_property
@@ -232,6 +252,29 @@ class Derived(BaseModel):
   @cached_property
   def sequence_shards(self) -> int:
     return self.shards("activation_length")
+
+  @computed_field(
+    description=(
+      "the order context parallelism runs each sequence in: dual_chunk_swap or striped (parallel/context.py), or "
+      '"" (no sequence split, or context_parallel_load_balance=false)'
+    )
+  )
+  @cached_property
+  def context_parallel_reorder(self) -> str:
+    shards, k = self.sequence_shards, self.keys
+    if shards <= 1 or not k["context_parallel_load_balance"]:
+      return ""
+    strategy = (
+      "dual_chunk_swap" if k["context_parallel_reorder_strategy"] == "auto" else k["context_parallel_reorder_strategy"]
+    )
+    pieces = 2 * shards if strategy == "dual_chunk_swap" else shards
+    if k["max_target_length"] % pieces:
+      raise ConfigError(
+        f"max_target_length={k['max_target_length']} does not split into {pieces} equal pieces for "
+        f"context_parallel_load_balance ({strategy} over {shards} sequence shards): use a multiple of {pieces}, or "
+        "context_parallel_load_balance=false"
+      )
+    return strategy
 
   @computed_field(description="how many pieces activation_batch is split into on this mesh")
   @cached_property

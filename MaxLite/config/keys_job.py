@@ -18,6 +18,8 @@ from MaxLite.config import choices
 # The closed lists are choices.py's: Literal[tuple] is a Literal of its items.
 DecodeSamplingStrategy = Literal[choices.DECODE_SAMPLING_STRATEGIES]
 Profiler = Literal[choices.PROFILERS]
+ContextStrategy = Literal[choices.CONTEXT_PARALLEL_STRATEGIES]
+ContextReorder = Literal[choices.CONTEXT_REORDER_STRATEGIES]
 
 LOGICAL_AXIS_RULES = [
   ["ensemble", ["ensemble"]],
@@ -67,7 +69,15 @@ class Mesh(BaseModel):
     -1,
     description="fully sharded data parallelism (params + optimizer sharded, ZeRO-3)",
   )
-  ici_sequence_parallelism: int = Field(1, description="activations split along the sequence")
+  ici_sequence_parallelism: int = Field(
+    1, description="the sequence split over devices (mesh axis sequence); MaxText's name: ici_context_parallelism"
+  )
+  ici_context_parallelism: int = Field(
+    1,
+    description=(
+      "context parallelism, MaxText's key for the sequence axis: the same axis as ici_sequence_parallelism (set one)"
+    ),
+  )
   ici_tensor_parallelism: int = Field(1, description="Megatron-style tensor parallelism")
   ici_expert_parallelism: int = Field(1, description="experts split across devices (MoE)")
   dcn_ensemble_parallelism: int = Field(1, description="ensemble members split across slices")
@@ -75,6 +85,26 @@ class Mesh(BaseModel):
   dcn_pipeline_parallelism: int = Field(1, description="pipeline stages across slices")
   dcn_fsdp_parallelism: int = Field(1, description="fsdp across slices")
   dcn_sequence_parallelism: int = Field(1, description="sequence parallelism across slices")
+  dcn_context_parallelism: int = Field(1, description="context parallelism across slices (= dcn_sequence_parallelism)")
+  context_parallel_strategy: ContextStrategy = Field(
+    "all_gather",
+    description=(
+      "how attention sees the keys of other sequence shards: all_gather (each shard gathers every key and value); "
+      "MaxText's ring, ulysses and usp are not in MaxLite yet"
+    ),
+  )
+  context_parallel_load_balance: bool = Field(
+    True,
+    description=(
+      "reorder each sequence over the sequence shards so causal attention's work is even (parallel/context.py); "
+      "the loss, metrics and checkpoints see the original order"
+    ),
+  )
+  context_parallel_reorder_strategy: ContextReorder = Field(
+    "auto",
+    description="the load-balancing order: dual_chunk_swap (shard i: chunks i and 2N-1-i of 2N), striped; auto = "
+    "dual_chunk_swap",
+  )
   dcn_tensor_parallelism: int = Field(1, description="tensor parallelism across slices")
   dcn_expert_parallelism: int = Field(1, description="expert parallelism across slices")
   num_pipeline_microbatches: int = Field(
@@ -102,6 +132,16 @@ class Mesh(BaseModel):
       }
     },
   )
+
+  @model_validator(mode="after")
+  def _context_strategy(self) -> Mesh:
+    if self.context_parallel_strategy != "all_gather":
+      raise ConfigError(
+        f"context_parallel_strategy={self.context_parallel_strategy} is not in MaxLite yet: all_gather is (each "
+        "sequence shard gathers the keys and values of the others; with context_parallel_load_balance=true the "
+        "shards' causal work is even)"
+      )
+    return self
 
 
 class Metrics(BaseModel):

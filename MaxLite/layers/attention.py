@@ -14,6 +14,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
@@ -23,19 +24,24 @@ from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.rope import apply_rope, rope_frequencies
 from MaxLite.layers.splash import splash_attention
+from MaxLite.parallel import context
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully padded rows stay NaN-free
 
 
-def attention_mask(segment_ids: jax.Array, window: int = 0, sliding: Any = True) -> jax.Array:
+def attention_mask(
+  segment_ids: jax.Array, window: int = 0, sliding: Any = True, order: np.ndarray | None = None
+) -> jax.Array:
   """[batch, 1, 1, q, k] boolean: causal and within the same (non-padding) segment; with a window > 0, where
-  `sliding` (a bool, traced under nn.scan) also only the `window` latest keys: q - window < k <= q."""
+  `sliding` (a bool, traced under nn.scan) also only the `window` latest keys: q - window < k <= q. order [seq]: each
+  place's original index in a load-balanced sequence (parallel/context.py), which causality and windows compare."""
   seq = segment_ids.shape[-1]
-  causal = jnp.tril(jnp.ones((seq, seq), dtype=jnp.bool_))
+  index = np.arange(seq) if order is None else np.asarray(order)
+  causal = jnp.asarray(index[:, None] >= index[None, :])
   if window > 0:
-    in_window = jnp.triu(jnp.ones((seq, seq), dtype=jnp.bool_), -(window - 1))
+    in_window = jnp.asarray(index[:, None] - index[None, :] < window)
     causal = causal & (in_window | jnp.logical_not(sliding))
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
   return (causal[None] & same_segment)[:, None, None, :, :]
@@ -126,21 +132,27 @@ class AttentionCore(nn.Module):
     if self.features.sinks:  # one logit per query head (replicated: [heads] numbers)
       init = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
       sinks = self.param("sinks", init, (q.shape[2],), dtype_of(cfg.weight_dtype))
+    # A load-balanced sequence (models/transformer.py reordered it): the mask compares original indices.
+    order = None if self.decode else context.order_of(cfg, q.shape[1])
     if self.decode:
       k, v, mask = self._update_cache(k, v, positions, segment_ids, window, sliding)
       out = dot_product_attention(q, k, v, mask, cap, sinks)
     elif cfg.attention_kernel == "splash":
       interpret = cfg.attention_interpret
-      attend = lambda w: splash_attention(q, k, v, segment_ids, cfg, interpret, window=w, cap=cap, sinks=sinks)
+
+      def attend(w):
+        return splash_attention(q, k, v, segment_ids, cfg, interpret, window=w, cap=cap, sinks=sinks, order=order)
+
       # Both kernels are compiled; the layer runs one (nn.scan traces a single layer for local and global ones).
       out = jax.lax.cond(sliding, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     elif cfg.attention_kernel == "cudnn":
       # config/attention_choice.py gives a config with sinks another kernel (cuDNN's declares none).
       assert sinks is None, "the cudnn kernel computes no attention sinks"
+      assert order is None, "the cudnn kernel takes whole rows (no sequence split, so no reordered one)"
       attend = lambda w: cudnn_attention(q, k, v, segment_ids, cfg.attention_segments, window=w)
       out = jax.lax.cond(sliding, lambda: attend(window), lambda: attend(0)) if window else attend(0)
     else:
-      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, sliding), cap, sinks)
+      out = dot_product_attention(q, k, v, attention_mask(segment_ids, window, sliding, order), cap, sinks)
     out = nn.with_logical_constraint(out, (BATCH, LENGTH, "activation_heads", "activation_kv"))
     out = checkpoint_name(out, "context")
     out = DenseGeneral(

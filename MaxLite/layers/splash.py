@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import partitioning as nn_partitioning
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
@@ -57,11 +58,14 @@ def splash_attention(
   window: int = 0,
   cap: float = 0.0,
   sinks: jax.Array | None = None,
+  order: np.ndarray | None = None,
 ) -> jax.Array:
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled.
   window > 0: each query sees its `window` latest keys only (the kernel skips the blocks outside the band);
   cap > 0: the scores are soft-capped; sinks [heads]: one more logit per head in each softmax's denominator (the
-  kernel starts each row's running max and sum from it)."""
+  kernel starts each row's running max and sum from it); order [s]: the original index of each place of a
+  load-balanced sequence (parallel/context.py): the queries stay where their shard has them, the gathered keys and
+  values go back to the original order, and the mask compares original indices."""
   value_dim = v.shape[-1]
   if value_dim < q.shape[-1]:  # MLA's values are narrower than its queries; the kernel takes one head width
     v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - value_dim)])
@@ -76,7 +80,9 @@ def splash_attention(
     )
   head_shards, seq_shards = (_shards(mesh, head_axes), _shards(mesh, seq_axes)) if on_mesh else (1, 1)
 
-  if window > 0:
+  if order is not None:
+    one_head = OrderedCausalMask((seq, seq), order, window)
+  elif window > 0:
     one_head = mask_lib.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
   else:
     one_head = mask_lib.CausalMask((seq, seq))
@@ -91,6 +97,11 @@ def splash_attention(
   )
 
   def attend(kernel, q, k, v, q_segments, kv_segments, sinks):
+    if order is not None:  # every key and value is here (gathered along the sequence): back to the original order
+      original = jnp.asarray(np.argsort(order).astype(np.int32))
+      k, v = jnp.take(k, original, axis=2), jnp.take(v, original, axis=2)
+      kv_segments = jnp.take(kv_segments, original, axis=1)
+
     def per_example(q, k, v, qs, ks):
       return kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks), **({} if sinks is None else {"sinks": sinks}))
 
@@ -121,3 +132,29 @@ def splash_attention(
     )
     out = sharded(kernel, q, k, v, segment_ids, segment_ids, sinks)
   return jnp.swapaxes(out, 1, 2)[..., :value_dim]
+
+
+class OrderedCausalMask(mask_lib._ComputableMask):  # noqa: SLF001 (the kernel's own mask protocol)
+  """Causal (and with window > 0 banded) over original token indices, for queries in a load-balanced order: the
+  kernel evaluates the mask function on each query's entry of `q_sequence` (here its original index) and each key's
+  index (keys in the original order), so the blocks it skips are those of the reordered queries."""
+
+  def __init__(self, shape: tuple[int, int], order: np.ndarray, window: int = 0):
+    self.window = window
+
+    def mask_function(q_ids, kv_ids):  # numpy while the mask is processed, jax inside the kernel
+      causal = q_ids >= kv_ids
+      return causal & (q_ids - kv_ids < window) if window > 0 else causal
+
+    super().__init__(shape=shape, mask_function=mask_function)
+    self.q_sequence = np.asarray(order, dtype=np.int32)
+
+  def __eq__(self, other: object):
+    if not isinstance(other, type(self)):
+      return NotImplemented
+    return (self.shape, self.window) == (other.shape, other.window) and np.array_equal(
+      self.q_sequence, other.q_sequence
+    )
+
+  def __hash__(self):
+    return hash((type(self), self.shape, self.window, self.q_sequence.tobytes()))

@@ -18,6 +18,7 @@ from MaxLite.layers.norms import RMSNorm
 from MaxLite.layers.pipeline import run_pipeline
 from MaxLite.layers.quantities import dtype_of
 from MaxLite.layers.remat import remat_policy
+from MaxLite.parallel import context
 from MaxLite.parallel.sharding import EMBED_ACTIVATION
 
 
@@ -132,6 +133,11 @@ class Transformer(nn.Module):
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     cfg = self.config
     dtype, wdtype = dtype_of(cfg.dtype), dtype_of(cfg.weight_dtype)
+    # Context parallelism's load balancing: the layers see each shard's early and late tokens (parallel/context.py);
+    # the final hidden states go back in order, so whatever reads the outputs sees the original sequence.
+    order = None if self.decode else context.order_of(cfg, ids.shape[1])
+    if order is not None:
+      ids, positions, segment_ids = (context.reorder(a, order) for a in (ids, positions, segment_ids))
     embed = Embed(
       cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=wdtype, iota=cfg.use_iota_embed, name="token_embedder"
     )
@@ -142,6 +148,8 @@ class Transformer(nn.Module):
     x, moe_aux = Decoder(cfg, self.deterministic, self.decode, name="decoder")(x, positions, segment_ids)
     if moe_aux is not None:
       self.sow("intermediates", "moe", moe_aux)  # read by the loss (apply with mutable="intermediates")
+    if order is not None:
+      x = nn.with_logical_constraint(context.restore(x, order), EMBED_ACTIVATION)
     offset = decoder_family(cfg).norm_scale_offset
     x = RMSNorm(cfg.normalization_layer_epsilon, dtype, wdtype, offset, name="decoder_norm")(x)
     if cfg.logits_via_embedding:

@@ -240,6 +240,8 @@ def test_literals_are_the_choices_lists():
     "decode_sampling_strategy": choices.DECODE_SAMPLING_STRATEGIES,
     "loss_algo": choices.GRPO_LOSS_ALGOS,
     "loss_agg_mode": choices.GRPO_LOSS_AGG_MODES,
+    "context_parallel_strategy": choices.CONTEXT_PARALLEL_STRATEGIES,
+    "context_parallel_reorder_strategy": choices.CONTEXT_REORDER_STRATEGIES,
   } | {name: choices.PLACEMENTS for name in choices.REMAT_NAMES}
   assert {k: schema.allowed_values(k) for k in expected} == expected
   assert all(

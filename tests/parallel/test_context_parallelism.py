@@ -1,0 +1,183 @@
+"""Context parallelism with MaxText's keys (parallel/context.py): the sequence split over devices, load-balanced, gives
+one device's loss and gradients on packed rows in every family; the splash kernel's work per shard evens out; bad
+settings are one line each."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax.linen import partitioning as nn_partitioning
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+from support.config import first_devices, make_config
+
+from MaxLite.cli.errors import ConfigError
+from MaxLite.layers import attention as attention_layer
+from MaxLite.layers.splash import OrderedCausalMask
+from MaxLite.models.transformer import Transformer
+from MaxLite.parallel import context, sharding
+from MaxLite.parallel.mesh import create_mesh
+
+SEQ = 64
+FAMILIES = {
+  "llama": ("model_name=tiny",),
+  "gemma3": ("model_name=tiny-gemma3",),  # 16-token windows across the 8-token chunks' edges, soft caps off/on below
+  "deepseek": ("model_name=tiny-deepseek",),  # MLA, a MoE
+  "moe": ("model_name=tiny-moe",),
+  "gpt_oss": ("model_name=tiny-gpt-oss",),  # sinks, windows, a MoE
+}
+CONTEXT4 = ("ici_fsdp_parallelism=2", "ici_context_parallelism=4")
+
+
+def test_dual_chunk_swap_gives_each_shard_an_early_and_a_late_chunk_and_striped_every_nth_token():
+  order = context.token_order(16, 4, "dual_chunk_swap")
+  assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+  assert context.token_order(8, 2, "striped").tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+  x = jnp.arange(3 * 16).reshape(3, 16)
+  np.testing.assert_array_equal(context.restore(context.reorder(x, order), order), x)
+
+
+def _packed(batch: int, seq: int):
+  """Rows of 3, 2 and 1 documents with trailing padding (segment 0), positions restarting per document."""
+  cuts = [[0, seq * 20 // 64, seq * 45 // 64, seq * 58 // 64], [0, seq * 33 // 64, seq], [0, seq - 3]]
+  segments, positions = np.zeros((batch, seq), np.int32), np.zeros((batch, seq), np.int32)
+  for row in range(batch):
+    bounds = cuts[row % len(cuts)]
+    for doc, (start, end) in enumerate(zip(bounds, bounds[1:])):
+      segments[row, start:end] = doc + 1
+      positions[row, start:end] = np.arange(end - start)
+  ids = np.asarray(jax.random.randint(jax.random.key(1), (batch, seq), 3, 200))
+  return jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segments)
+
+
+def _loss_and_grads(family, num_devices, *overrides, seq=SEQ):
+  """The summed next-token loss of a packed batch and its gradients, the model's parameters the same (seed 0) for
+  every layout."""
+  batch = 4
+  config = make_config(
+    *FAMILIES[family],
+    f"max_target_length={seq}",
+    f"per_device_batch_size={batch / num_devices}",
+    *overrides,
+    num_devices=num_devices,
+  )
+  ids, positions, segments = _packed(batch, seq)
+  model = Transformer(config)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, positions, segments)["params"])
+  targets = jnp.roll(ids, -1, axis=1)
+  weights = (segments != 0) & (jnp.roll(segments, -1, axis=1) == segments)
+
+  def loss(p):
+    logits = model.apply({"params": p}, ids, positions, segments).astype(jnp.float32)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    return jnp.sum(nll * weights)
+
+  step = jax.jit(jax.value_and_grad(loss))
+  if num_devices == 1:
+    return config, step(params)
+  with jax.set_mesh(create_mesh(config, first_devices(num_devices))):
+    with nn_partitioning.axis_rules(sharding.axis_rules(config)):
+      return config, step(params)
+
+
+@functools.cache
+def _one_device(family, *overrides, seq=SEQ):
+  """One device's loss and gradients: computed once per test process for all the layouts compared with it."""
+  return _loss_and_grads(family, 1, *overrides, seq=seq)[1]
+
+
+def _assert_same(got, want, rtol=1e-5):
+  (loss, grads), (ref_loss, ref_grads) = got, want
+  np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * float(np.abs(r).max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("balance", ["dual_chunk_swap", "striped", "off"])
+def test_context_parallel_loss_and_gradients_equal_one_device_on_packed_rows(family, balance):
+  keys = (
+    ("context_parallel_load_balance=false",) if balance == "off" else (f"context_parallel_reorder_strategy={balance}",)
+  )
+  config, got = _loss_and_grads(family, 8, *CONTEXT4, *keys)
+  assert config.sequence_shards == 4 and config.context_parallel_reorder == ("" if balance == "off" else balance)
+  _assert_same(got, _one_device(family))
+
+
+@pytest.mark.slow
+def test_the_mask_follows_the_load_balanced_order(monkeypatch):
+  """Reordered tokens under an index-order causal mask see the wrong keys: the loss is not one device's."""
+  want = _one_device("llama")
+
+  class IndexOrder:
+    order_of = staticmethod(lambda config, seq: None)
+
+  monkeypatch.setattr(attention_layer, "context", IndexOrder)
+  _, got = _loss_and_grads("llama", 8, *CONTEXT4)
+  assert not np.isclose(got[0], want[0], rtol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_splash_with_load_balancing_equals_one_device_dot_product(family):
+  """The splash kernel (interpreted on CPU) per sequence shard, queries load-balanced and the gathered keys back in
+  order: one device's dot-product loss and gradients (gemma3: windows across the shards' edges)."""
+  splash = ("attention=splash", "ici_fsdp_parallelism=4", "ici_context_parallelism=2")
+  # 256 tokens: the kernel's 128-token blocks, each shard one, made of two 64-token chunks.
+  config, got = _loss_and_grads(family, 8, *splash, seq=256)
+  assert config.attention_kernel == "splash" and config.context_parallel_reorder == "dual_chunk_swap"
+  _assert_same(got, _one_device(family, "attention=dot_product", seq=256), rtol=2e-5)
+
+
+def _blocks_per_shard(mask, seq, shards, block):
+  """(query block, key block) pairs the splash kernel computes, per query shard: its own mask info's non-empty
+  blocks (what it skips is what it does not load)."""
+  sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
+  kernel = kernel_lib.make_splash_mha(
+    mask_lib.MultiHeadMask([mask]), block_sizes=sizes, head_shards=1, q_seq_shards=shards, interpret=True
+  )
+  computed = np.asarray(kernel.fwd_mask_info.block_mask)[0] != 0  # [query blocks, key blocks]
+  return [int(part.sum()) for part in np.split(computed, shards)]
+
+
+def test_load_balancing_evens_the_splash_kernels_work_over_the_shards():
+  seq, shards, block = 8192, 8, 512
+  plain = _blocks_per_shard(mask_lib.CausalMask((seq, seq)), seq, shards, block)
+  order = context.token_order(seq, shards, "dual_chunk_swap")
+  balanced = _blocks_per_shard(OrderedCausalMask((seq, seq), order), seq, shards, block)
+  print(f"blocks per shard: causal {plain}, dual_chunk_swap {balanced}")
+  assert max(plain) / np.mean(plain) > 1.8  # the last shard does 31 of the 17 a shard does on average
+  assert max(balanced) / np.mean(balanced) <= 1.05
+  assert sum(balanced) == sum(plain)  # the same blocks, spread evenly
+  assert balanced == context.causal_work(order, shards, block)
+
+
+@pytest.mark.parametrize(
+  "overrides, fragment",
+  [
+    (("ici_context_parallelism=4", "ici_sequence_parallelism=2"), "both set the sequence axis"),
+    (("ici_context_parallelism=4", "max_target_length=36"), "context_parallel_load_balance"),
+    (("ici_context_parallelism=3",), "ici_context_parallelism=3"),
+    (("context_parallel_strategy=ring",), "context_parallel_strategy=ring is not in MaxLite yet"),
+    (("context_parallel_reorder_strategy=zigzag",), "context_parallel_reorder_strategy"),
+  ],
+)
+def test_bad_context_settings_are_one_line(overrides, fragment):
+  with pytest.raises(ConfigError, match=fragment) as err:
+    make_config("model_name=tiny", "max_target_length=64", "ici_fsdp_parallelism=-1", *overrides, num_devices=8)
+  assert "\n" not in str(err.value)
+
+
+def test_maxtexts_context_keys_make_the_sequence_axis_and_the_old_key_still_does():
+  new = make_config("model_name=tiny", "ici_context_parallelism=4", "dcn_context_parallelism=1", num_devices=8)
+  old = make_config("model_name=tiny", "ici_sequence_parallelism=4", num_devices=8)
+  assert new.mesh_shape == old.mesh_shape and new.sequence_shards == old.sequence_shards == 4
+  assert new.context_parallel_reorder == old.context_parallel_reorder == "dual_chunk_swap"
+  off = make_config(
+    "model_name=tiny", "ici_sequence_parallelism=4", "context_parallel_load_balance=false", num_devices=8
+  )
+  assert off.context_parallel_reorder == ""
