@@ -27,6 +27,7 @@ FLOAT32 = "float32 activations"
 SPLIT_SEQUENCE = "a sequence split over devices"
 SINKS = "attention sinks (a learned logit per head in the softmax)"
 LOAD_BALANCED = "a load-balanced sequence order (context_parallel_load_balance)"
+ULYSSES = "heads exchanged for the sequence over devices (context_parallel_strategy=ulysses)"
 # cuDNN's packed layout has a fixed number of segments per row; MaxText's GPU configs use 32.
 GPU_SEGMENTS_PER_ROW = 32
 
@@ -45,14 +46,14 @@ KERNELS = {
     Kernel(
       "dot_product",
       ("cpu", "tpu", *_GPU),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED}),
+      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED, ULYSSES}),
       "XLA, materialises [batch, heads, seq, seq] scores",
     ),
     # Values narrower than queries are zero-padded to the query width; sinks are the kernel's own (layers/splash.py).
     Kernel(
       "splash",
       ("tpu", "cpu"),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED}),
+      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED, ULYSSES}),
       "the splash kernel",
     ),
     # jax's cuDNN fused attention: bf16 only, whole rows per device, no soft cap, no sinks; packed rows through cuDNN's
@@ -80,6 +81,8 @@ def needs(c: dict[str, Any], sequence_shards: int) -> dict[str, str]:
     out[SPLIT_SEQUENCE] = f"sequence parallelism {sequence_shards}"
     if c["context_parallel_load_balance"]:
       out[LOAD_BALANCED] = "context_parallel_load_balance=true"
+    if c["context_parallel_strategy"] == "ulysses":
+      out[ULYSSES] = "context_parallel_strategy=ulysses"
   return {**out, **families.family(c["decoder_block"]).attention_needs(c)}
 
 

@@ -89,8 +89,9 @@ class Mesh(BaseModel):
   context_parallel_strategy: ContextStrategy = Field(
     "all_gather",
     description=(
-      "how attention sees the keys of other sequence shards: all_gather (each shard gathers every key and value); "
-      "MaxText's ring, ulysses and usp are not in MaxLite yet"
+      "how attention sees the keys of other sequence shards: all_gather (each shard gathers every key and value), "
+      "ulysses (all-to-alls trade sequence shards for head shards: query heads must split over tensor x context); "
+      "MaxText's ring and usp are not in MaxLite yet"
     ),
   )
   context_parallel_load_balance: bool = Field(
@@ -135,11 +136,11 @@ class Mesh(BaseModel):
 
   @model_validator(mode="after")
   def _context_strategy(self) -> Mesh:
-    if self.context_parallel_strategy != "all_gather":
+    if self.context_parallel_strategy not in ("all_gather", "ulysses"):
       raise ConfigError(
-        f"context_parallel_strategy={self.context_parallel_strategy} is not in MaxLite yet: all_gather is (each "
-        "sequence shard gathers the keys and values of the others; with context_parallel_load_balance=true the "
-        "shards' causal work is even)"
+        f"context_parallel_strategy={self.context_parallel_strategy} is not in MaxLite yet: all_gather (each "
+        "sequence shard gathers the keys and values of the others) and ulysses (all-to-alls trade sequence shards "
+        "for head shards) are"
       )
     return self
 

@@ -130,6 +130,13 @@ def _check_model_vs_mesh(c: dict[str, Any], mesh: dict[str, int]) -> None:
       raise ConfigError(
         f"{key}={c[key]} is not divisible by tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism)"
       )
+  heads_over = tp * mesh["sequence"]
+  if mesh["sequence"] > 1 and c["context_parallel_strategy"] == "ulysses" and q % heads_over:
+    raise ConfigError(
+      f"context_parallel_strategy=ulysses splits the query heads over tensor x context parallelism = {tp} x "
+      f"{mesh['sequence']}: base_num_query_heads={q} does not divide by {heads_over} (use all_gather, or a layout "
+      "whose product divides the heads)"
+    )
   if c["max_target_length"] % mesh["sequence"]:
     raise ConfigError(
       f"max_target_length={c['max_target_length']} is not divisible by sequence parallelism {mesh['sequence']}"

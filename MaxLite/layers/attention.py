@@ -18,6 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
+from MaxLite.layers.context_attention import ulysses_attention
 from MaxLite.layers.cudnn import cudnn_attention
 from MaxLite.layers.linears import DenseGeneral, quantized_base
 from MaxLite.layers.norms import RMSNorm
@@ -137,6 +138,19 @@ class AttentionCore(nn.Module):
     if self.decode:
       k, v, mask = self._update_cache(k, v, positions, segment_ids, window, sliding)
       out = dot_product_attention(q, k, v, mask, cap, sinks)
+    elif cfg.context_parallel_strategy == "ulysses" and cfg.sequence_shards > 1:  # whole sequences of some heads
+      splash, interpret = cfg.attention_kernel == "splash", cfg.attention_interpret
+
+      def attend(q, k, v, segments, sinks, sliding):
+        if not splash:
+          return dot_product_attention(q, k, v, attention_mask(segments, window, sliding, order), cap, sinks)
+
+        def kernel(w):
+          return splash_attention(q, k, v, segments, cfg, interpret, w, cap, sinks, order, local=True)
+
+        return jax.lax.cond(sliding, lambda: kernel(window), lambda: kernel(0)) if window else kernel(0)
+
+      out = ulysses_attention(q, k, v, segment_ids, attend, sinks, True if sliding is None else sliding)
     elif cfg.attention_kernel == "splash":
       interpret = cfg.attention_interpret
 

@@ -59,18 +59,20 @@ def splash_attention(
   cap: float = 0.0,
   sinks: jax.Array | None = None,
   order: np.ndarray | None = None,
+  local: bool = False,
 ) -> jax.Array:
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; segment_ids [b, s] (0 = padding). q is already scaled.
   window > 0: each query sees its `window` latest keys only (the kernel skips the blocks outside the band);
   cap > 0: the scores are soft-capped; sinks [heads]: one more logit per head in each softmax's denominator (the
   kernel starts each row's running max and sum from it); order [s]: the original index of each place of a
   load-balanced sequence (parallel/context.py): the queries stay where their shard has them, the gathered keys and
-  values go back to the original order, and the mask compares original indices."""
+  values go back to the original order, and the mask compares original indices. local: called inside a shard_map
+  (layers/context_attention.py's Ulysses) on whole sequences of this device's heads: no sharding of its own."""
   value_dim = v.shape[-1]
   if value_dim < q.shape[-1]:  # MLA's values are narrower than its queries; the kernel takes one head width
     v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - value_dim)])
   mesh = jax.sharding.get_abstract_mesh()
-  on_mesh = mesh is not None and not mesh.empty
+  on_mesh = mesh is not None and not mesh.empty and not local
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel wants [heads, seq, d] per example
   heads, seq = q.shape[1], q.shape[2]
   batch_axes = head_axes = seq_axes = None

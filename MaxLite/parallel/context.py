@@ -16,10 +16,12 @@ reordered row. Pure numpy/jax functions; the strategy is the config's derived `c
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  import jax
 
 REORDERS = ("dual_chunk_swap", "striped")
 
@@ -57,11 +59,15 @@ def order_of(config, seq: int) -> np.ndarray | None:
 
 def reorder(x: jax.Array, order: np.ndarray, axis: int = 1) -> jax.Array:
   """x with its `axis` in the reordered layout."""
+  import jax.numpy as jnp  # the planner reads token_order without jax
+
   return jnp.take(x, jnp.asarray(order), axis=axis)
 
 
 def restore(x: jax.Array, order: np.ndarray, axis: int = 1) -> jax.Array:
   """x (reordered along `axis`) back in the original order."""
+  import jax.numpy as jnp
+
   return jnp.take(x, jnp.asarray(np.argsort(order).astype(np.int32)), axis=axis)
 
 

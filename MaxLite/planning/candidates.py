@@ -49,17 +49,31 @@ def _powers_of_two(n: int) -> list[int]:
   return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0]
 
 
+# From this many tokens a row, the search splits the sequence over up to 16 devices (else up to 4).
+LONG_CONTEXT = 32768
+
+
+def mesh_keys(raw: dict[str, Any], pinned: set[str]) -> dict[str, str]:
+  """{mesh axis: the ici_* key a plan sets}: the sequence axis by MaxText's ici_context_parallelism unless the
+  config sets it by its other name, ici_sequence_parallelism (a config sets one of the two)."""
+  keys = dict(MESH_KEYS)
+  if "ici_sequence_parallelism" not in pinned and raw["ici_sequence_parallelism"] == 1:
+    keys["sequence"] = "ici_context_parallelism"
+  return keys
+
+
 def layouts(raw: dict[str, Any], devices: int, pinned: set[str]) -> list[dict[str, int]]:
   """ICI splits of `devices` over the mesh axes: powers of two, fsdp takes the rest; pinned axes stay as given."""
   experts = raw["num_experts"]
+  long_context = raw["max_target_length"] >= LONG_CONTEXT
   options = {
     "tensor": _powers_of_two(min(devices, 16)),
-    "sequence": [1, 2, 4],
+    "sequence": _powers_of_two(min(devices, 16)) if long_context else [1, 2, 4],
     "stage": [1, 2, 4],
     "expert": _powers_of_two(min(devices, experts)) if experts > 1 else [1],
     "data": [1, 2, 4, 8],
   }
-  for axis, key in MESH_KEYS.items():
+  for axis, key in mesh_keys(raw, pinned).items():
     if axis in options and key in pinned and raw[key] != -1:
       options[axis] = [raw[key]]
   out = []
@@ -96,17 +110,30 @@ def enumerate_plans(raw: dict[str, Any], target: Target, num_slices: int, pinned
   for mesh, remat, attention, (batch, accumulation), quantization in itertools.product(
     layouts(raw, devices, pinned), remats, attentions, batches, quantizations
   ):
-    overrides = {MESH_KEYS[a]: n for a, n in mesh.items()}
+    overrides = {mesh_keys(raw, pinned)[a]: n for a, n in mesh.items()}
     overrides.update(remat, attention=attention, per_device_batch_size=batch)
     if quantization != raw["quantization"]:
       overrides.update(quantization=quantization, use_qwix_quantization=bool(quantization))
     overrides["gradient_accumulation_steps"] = accumulation
-    if mesh["stage"] > 1:
-      for microbatches in (mesh["stage"], 2 * mesh["stage"]):
-        plans.append(Candidate({**overrides, "num_pipeline_microbatches": microbatches}))
-    else:
-      plans.append(Candidate(overrides))
+    for strategy in context_strategies(raw, mesh, pinned):
+      with_strategy = {**overrides, "context_parallel_strategy": strategy} if strategy else overrides
+      if mesh["stage"] > 1:
+        for microbatches in (mesh["stage"], 2 * mesh["stage"]):
+          plans.append(Candidate({**with_strategy, "num_pipeline_microbatches": microbatches}))
+      else:
+        plans.append(Candidate(with_strategy))
   return plans
+
+
+def context_strategies(raw: dict[str, Any], mesh: dict[str, int], pinned: set[str]) -> list[str]:
+  """The context_parallel_strategy values worth a compile on this layout ("" = the config's own): with the
+  sequence split, all_gather and, where the query heads split over tensor x context, ulysses."""
+  if mesh["sequence"] == 1 or "context_parallel_strategy" in pinned:
+    return [""]
+  out = ["all_gather"]
+  if raw["base_num_query_heads"] % (mesh["tensor"] * mesh["sequence"]) == 0:
+    out.append("ulysses")
+  return out
 
 
 def validate(plan: Candidate, raw: dict[str, Any], target: Target, num_slices: int) -> str | None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 from absl import logging
 
+from MaxLite.parallel import context
 from MaxLite.planning.hlo_text import (
   BYTES,
   Computations,
@@ -160,17 +161,25 @@ def _attention_dims(instr: Instr, shapes: dict[str, str]) -> tuple[int, ...]:
   return math.prod(q[:-3]), heads, q[-2], max(d[-2] for d in qkv), q[-1]
 
 
-def splash_kernel_flops(attention: tuple, block_q: int, block_kv: int, fused_backward: bool = False) -> float:
+def splash_kernel_flops(
+  attention: tuple, block_q: int, block_kv: int, fused_backward: bool = False, reorder: str = ""
+) -> float:
   """Matmul FLOPs one run of a splash kernel does. It skips the (block_q x block_kv) blocks the causal mask rules out
   and computes the others whole: the diagonal blocks too. The forward does 2 matmuls per block (q.k, p.v); the dq
   kernel 3 (q.k again, do.v, ds.k); the dkv kernel 4 (q.k again, p.do, do.v, ds.q), 5 when it also makes dq
-  (the fused backward). With the queries split over sequence shards the last shard, which sees every key, is costed."""
+  (the fused backward). With the queries split over sequence shards the step waits for the shard with the most
+  blocks: without load balancing the last, which sees every key; with `reorder` (the config's
+  context_parallel_reorder, parallel/context.py) the shards' queries are load-balanced and the busiest is costed."""
   phase, batch, heads, q_len, kv_len, head_dim = attention
-  first_row = kv_len - q_len  # the last shard's first query position
+  shards = max(1, kv_len // q_len)
+  order = context.token_order(kv_len, shards, reorder) if reorder and shards > 1 else np.arange(kv_len)
   pairs = 0
-  for start in range(0, q_len, block_q):
-    last_key = first_row + min(start + block_q, q_len)  # the keys this query block sees end here
-    pairs += block_q * math.ceil(last_key / block_kv) * block_kv
+  for shard in np.split(order, shards):
+    shard_pairs = 0
+    for start in range(0, q_len, block_q):
+      last_key = int(shard[start : start + block_q].max()) + 1  # the keys this query block sees end here
+      shard_pairs += block_q * math.ceil(last_key / block_kv) * block_kv
+    pairs = max(pairs, shard_pairs)
   matmuls = {"fwd": 2, "dq": 3, "dkv": 5 if fused_backward else 4}[phase]
   return 2.0 * matmuls * batch * heads * pairs * head_dim
 

@@ -189,7 +189,8 @@ def assess(c: Any, target: topologies.Target, compiled: Any, allocated: int | No
     for o in kernels:
       suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[o.attention[0]]
       q_block, kv_block = blocks[f"sa_block_q{suffix}"], blocks[f"sa_block_kv{suffix}"]
-      o.flops = hlo_costs.splash_kernel_flops(o.attention, q_block, kv_block, c.sa_use_fused_bwd_kernel)
+      balanced = c.context_parallel_reorder
+      o.flops = hlo_costs.splash_kernel_flops(o.attention, q_block, kv_block, c.sa_use_fused_bwd_kernel, balanced)
   elif c.attention_kernel == "splash":  # interpreted off TPU: the kernels are not in the HLO; count the model's
     ops.append(
       hlo_costs.Op("splash_attention", "custom-call", "splash", 1.0, flops=step_flops["attention"] / c.num_devices)

@@ -67,6 +67,13 @@ def _loss_and_grads(family, num_devices, *overrides, seq=SEQ):
   ids, positions, segments = _packed(batch, seq)
   model = Transformer(config)
   params = nn.meta.unbox(model.init(jax.random.key(0), ids, positions, segments)["params"])
+  # Sinks start at zero, the same for every head: made to differ, so each head shard must take its own.
+  params = jax.tree_util.tree_map_with_path(
+    lambda path, x: (
+      jax.random.normal(jax.random.key(2), x.shape, x.dtype) if "sinks" in jax.tree_util.keystr(path) else x
+    ),
+    params,
+  )
   targets = jnp.roll(ids, -1, axis=1)
   weights = (segments != 0) & (jnp.roll(segments, -1, axis=1) == segments)
 
@@ -96,16 +103,45 @@ def _assert_same(got, want, rtol=1e-5):
     np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * float(np.abs(r).max()))
 
 
+# (context_parallel_strategy, reorder): each strategy with the default reorder and without load balancing.
+CASES = [
+  ("all_gather", "dual_chunk_swap"),
+  ("all_gather", "striped"),
+  ("all_gather", "off"),
+  ("ulysses", "dual_chunk_swap"),
+  ("ulysses", "off"),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("balance", ["dual_chunk_swap", "striped", "off"])
-def test_context_parallel_loss_and_gradients_equal_one_device_on_packed_rows(family, balance):
+@pytest.mark.parametrize("strategy, balance", CASES, ids=["-".join(c) for c in CASES])
+def test_context_parallel_loss_and_gradients_equal_one_device_on_packed_rows(family, strategy, balance):
   keys = (
     ("context_parallel_load_balance=false",) if balance == "off" else (f"context_parallel_reorder_strategy={balance}",)
   )
-  config, got = _loss_and_grads(family, 8, *CONTEXT4, *keys)
+  config, got = _loss_and_grads(family, 8, *CONTEXT4, f"context_parallel_strategy={strategy}", *keys)
   assert config.sequence_shards == 4 and config.context_parallel_reorder == ("" if balance == "off" else balance)
   _assert_same(got, _one_device(family))
+
+
+def _lowered_text(*overrides):
+  config = make_config(
+    "model_name=tiny", f"max_target_length={SEQ}", "per_device_batch_size=0.5", *overrides, num_devices=8
+  )
+  ids, positions, segments = _packed(4, SEQ)
+  model = Transformer(config)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, positions, segments)["params"])
+  with jax.set_mesh(create_mesh(config, first_devices(8))):
+    with nn_partitioning.axis_rules(sharding.axis_rules(config)):
+      return jax.jit(model.apply).lower({"params": params}, ids, positions, segments).as_text()
+
+
+def test_ulysses_trades_sequence_shards_for_head_shards_where_all_gather_gathers():
+  ulysses = _lowered_text(*CONTEXT4, "context_parallel_strategy=ulysses")
+  gathered = _lowered_text(*CONTEXT4)
+  assert ulysses.count("all_to_all") == 4  # the scanned layer: q, k and v to head shards, the output back
+  assert "all_to_all" not in gathered
 
 
 @pytest.mark.slow
@@ -122,13 +158,22 @@ def test_the_mask_follows_the_load_balanced_order(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_splash_with_load_balancing_equals_one_device_dot_product(family):
-  """The splash kernel (interpreted on CPU) per sequence shard, queries load-balanced and the gathered keys back in
-  order: one device's dot-product loss and gradients (gemma3: windows across the shards' edges)."""
-  splash = ("attention=splash", "ici_fsdp_parallelism=4", "ici_context_parallelism=2")
+@pytest.mark.parametrize(
+  "family, strategy, layout",
+  [
+    ("llama", "all_gather", ("ici_fsdp_parallelism=4", "ici_context_parallelism=2")),
+    ("gemma3", "all_gather", ("ici_fsdp_parallelism=4", "ici_context_parallelism=2")),
+    ("gpt_oss", "ulysses", ("ici_fsdp_parallelism=4", "ici_context_parallelism=2")),  # sinks, windows
+    ("gemma3", "ulysses", ("ici_fsdp_parallelism=2", "ici_context_parallelism=2", "ici_tensor_parallelism=2")),
+  ],
+)
+def test_splash_with_load_balancing_equals_one_device_dot_product(family, strategy, layout):
+  """The splash kernel (interpreted on CPU) per sequence shard (all_gather: queries load-balanced, the gathered keys
+  back in order) or per head shard (ulysses: whole sequences): one device's dot-product loss and gradients (windows
+  across the shards' edges; Ulysses under tensor parallelism splits heads over tensor x context)."""
   # 256 tokens: the kernel's 128-token blocks, each shard one, made of two 64-token chunks.
-  config, got = _loss_and_grads(family, 8, *splash, seq=256)
+  overrides = ("attention=splash", f"context_parallel_strategy={strategy}", *layout)
+  config, got = _loss_and_grads(family, 8, *overrides, seq=256)
   assert config.attention_kernel == "splash" and config.context_parallel_reorder == "dual_chunk_swap"
   _assert_same(got, _one_device(family, "attention=dot_product", seq=256), rtol=2e-5)
 
@@ -162,7 +207,11 @@ def test_load_balancing_evens_the_splash_kernels_work_over_the_shards():
     (("ici_context_parallelism=4", "ici_sequence_parallelism=2"), "both set the sequence axis"),
     (("ici_context_parallelism=4", "max_target_length=36"), "context_parallel_load_balance"),
     (("ici_context_parallelism=3",), "ici_context_parallelism=3"),
-    (("context_parallel_strategy=ring",), "context_parallel_strategy=ring is not in MaxLite yet"),
+    (("context_parallel_strategy=usp",), "context_parallel_strategy=usp is not in MaxLite yet"),
+    (
+      ("ici_context_parallelism=4", "ici_tensor_parallelism=2", "context_parallel_strategy=ulysses"),
+      "base_num_query_heads=4 does not divide by 8",
+    ),
     (("context_parallel_reorder_strategy=zigzag",), "context_parallel_reorder_strategy"),
   ],
 )

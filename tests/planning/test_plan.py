@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.config import FAST_COMPILE, REPO, first_devices, make_config
+from support.config import BASE_YML, FAST_COMPILE, REPO, first_devices, make_config
 
 from MaxLite.models import flops
 from MaxLite.parallel import topologies
@@ -741,6 +741,9 @@ def test_splash_kernels_in_the_program_are_costed_by_the_blocks_they_compute():
   # the last of two sequence shards (queries 1024-2047 of 2048 keys) sees every earlier key: 3 + 4 blocks of 512
   sharded = ("fwd", 2, 4, 1024, 2048, 128)
   assert hlo_costs.splash_kernel_flops(sharded, 512, 512) == 2 * 2 * 2 * 4 * 7 * 512 * 512 * 128
+  # load-balanced (context_parallel_reorder): each shard holds chunks 0+3 or 1+2 of 4, 1 + 4 = 2 + 3 = 5 blocks
+  balanced = hlo_costs.splash_kernel_flops(sharded, 512, 512, reorder="dual_chunk_swap")
+  assert balanced == 2 * 2 * 2 * 4 * 5 * 512 * 512 * 128
 
 
 def test_a_splash_kernel_is_read_as_attention_over_its_query_and_key_shapes():
@@ -960,3 +963,27 @@ def test_compiles_in_flight_at_the_end_of_the_budget_are_stopped():
   search._stop_workers(pool)
   pool.shutdown(wait=True, cancel_futures=True)
   assert time_.monotonic() - started < 30 and future.done()
+
+
+def test_long_sequences_search_context_parallelism_and_its_strategies_by_maxtexts_key():
+  """From 32k tokens a row the search splits the sequence over up to 16 devices, by ici_context_parallelism, with
+  all_gather and (where the query heads split over tensor x context) ulysses; a config that sets the sequence axis by
+  its other name keeps that key."""
+  from MaxLite import config as config_lib
+
+  target = perf_model.planning_target("v5p-16")
+  raw = config_lib.load_raw([BASE_YML, "model_name=llama3.1-8b", "max_target_length=131072"])
+  plans = candidates.enumerate_plans(raw, target, 1, {"remat_policy", "attention", "per_device_batch_size"})
+  split = {(p.overrides["ici_context_parallelism"], p.overrides.get("context_parallel_strategy")) for p in plans}
+  assert {(8, "all_gather"), (8, "ulysses"), (1, None)} <= split
+  assert all("ici_sequence_parallelism" not in p.overrides for p in plans)
+  # 32 query heads: tensor 8 x context 8 would leave half a head per device, so no ulysses there
+  assert not any(
+    p.overrides["ici_tensor_parallelism"] * p.overrides["ici_context_parallelism"] > 32
+    and p.overrides.get("context_parallel_strategy") == "ulysses"
+    for p in plans
+  )
+  short = config_lib.load_raw([BASE_YML, "model_name=llama3.1-8b", "ici_sequence_parallelism=2"])
+  pinned = {"ici_sequence_parallelism", "remat_policy", "attention", "per_device_batch_size"}
+  kept = candidates.enumerate_plans(short, target, 1, pinned)
+  assert {p.overrides["ici_sequence_parallelism"] for p in kept} == {2}
