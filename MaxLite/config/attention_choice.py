@@ -28,6 +28,7 @@ SPLIT_SEQUENCE = "a sequence split over devices"
 SINKS = "attention sinks (a learned logit per head in the softmax)"
 LOAD_BALANCED = "a load-balanced sequence order (context_parallel_load_balance)"
 ULYSSES = "heads exchanged for the sequence over devices (context_parallel_strategy=ulysses)"
+RING = "keys and values passed around the sequence shards (context_parallel_strategy=ring)"
 # cuDNN's packed layout has a fixed number of segments per row; MaxText's GPU configs use 32.
 GPU_SEGMENTS_PER_ROW = 32
 
@@ -46,7 +47,9 @@ KERNELS = {
     Kernel(
       "dot_product",
       ("cpu", "tpu", *_GPU),
-      frozenset({PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED, ULYSSES}),
+      frozenset(
+        {PACKED, WINDOW, SOFT_CAP, NARROW_VALUES, FLOAT32, SPLIT_SEQUENCE, SINKS, LOAD_BALANCED, ULYSSES, RING}
+      ),
       "XLA, materialises [batch, heads, seq, seq] scores",
     ),
     # Values narrower than queries are zero-padded to the query width; sinks are the kernel's own (layers/splash.py).
@@ -81,8 +84,10 @@ def needs(c: dict[str, Any], sequence_shards: int) -> dict[str, str]:
     out[SPLIT_SEQUENCE] = f"sequence parallelism {sequence_shards}"
     if c["context_parallel_load_balance"]:
       out[LOAD_BALANCED] = "context_parallel_load_balance=true"
-    if c["context_parallel_strategy"] == "ulysses":
-      out[ULYSSES] = "context_parallel_strategy=ulysses"
+    if c["context_parallel_strategy"] in ("ulysses", "ring"):
+      out[{"ulysses": ULYSSES, "ring": RING}[c["context_parallel_strategy"]]] = (
+        f"context_parallel_strategy={c['context_parallel_strategy']}"
+      )
   return {**out, **families.family(c["decoder_block"]).attention_needs(c)}
 
 

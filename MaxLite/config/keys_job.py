@@ -90,8 +90,8 @@ class Mesh(BaseModel):
     "all_gather",
     description=(
       "how attention sees the keys of other sequence shards: all_gather (each shard gathers every key and value), "
-      "ulysses (all-to-alls trade sequence shards for head shards: query heads must split over tensor x context); "
-      "MaxText's ring and usp are not in MaxLite yet"
+      "ring (key/value blocks pass around the shards; the dot_product kernel), ulysses (all-to-alls trade sequence "
+      "shards for head shards: query heads must split over tensor x context); MaxText's usp is not in MaxLite yet"
     ),
   )
   context_parallel_load_balance: bool = Field(
@@ -136,10 +136,10 @@ class Mesh(BaseModel):
 
   @model_validator(mode="after")
   def _context_strategy(self) -> Mesh:
-    if self.context_parallel_strategy not in ("all_gather", "ulysses"):
+    if self.context_parallel_strategy == "usp":
       raise ConfigError(
-        f"context_parallel_strategy={self.context_parallel_strategy} is not in MaxLite yet: all_gather (each "
-        "sequence shard gathers the keys and values of the others) and ulysses (all-to-alls trade sequence shards "
+        "context_parallel_strategy=usp is not in MaxLite yet: all_gather (each sequence shard gathers the keys and "
+        "values of the others), ring (they pass around the shards) and ulysses (all-to-alls trade sequence shards "
         "for head shards) are"
       )
     return self

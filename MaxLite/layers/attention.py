@@ -18,6 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxLite.config import Config
+from MaxLite.layers import ring_attention
 from MaxLite.layers.context_attention import ulysses_attention
 from MaxLite.layers.cudnn import cudnn_attention
 from MaxLite.layers.linears import DenseGeneral, quantized_base
@@ -151,6 +152,12 @@ class AttentionCore(nn.Module):
         return jax.lax.cond(sliding, lambda: kernel(window), lambda: kernel(0)) if window else kernel(0)
 
       out = ulysses_attention(q, k, v, segment_ids, attend, sinks, True if sliding is None else sliding)
+    elif cfg.context_parallel_strategy == "ring" and cfg.sequence_shards > 1 and ring_attention.splits_sequence():
+      ring_order = np.arange(q.shape[1]) if order is None else order
+      # Keys and values go round the sequence shards (layers/ring_attention.py).
+      out = ring_attention.ring_attention(
+        q, k, v, segment_ids, ring_order, window, cap, sinks, True if sliding is None else sliding
+      )
     elif cfg.attention_kernel == "splash":
       interpret = cfg.attention_interpret
 

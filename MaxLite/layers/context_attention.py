@@ -1,5 +1,6 @@
 """Attention over a sequence split on the mesh's `sequence` axis, other than by gathering every key (all_gather, which
-GSPMD does for the dot-product path and layers/splash.py for the kernel): context_parallel_strategy=ulysses.
+GSPMD does for the dot-product path and layers/splash.py for the kernel): context_parallel_strategy=ulysses (and the
+mesh helper layers/ring_attention.py shares).
 
 Ulysses (DeepSpeed-Ulysses; MaxText's `ulysses`): each device holds 1/N of the tokens of every head. One all-to-all
 trades that for every token of 1/N of the heads, attention runs on whole sequences, and a second all-to-all trades
@@ -20,7 +21,8 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec as P
 
 
-def _axes(mesh, logical: str) -> tuple[str, ...]:
+def split_axes(mesh, logical: str) -> tuple[str, ...]:
+  """The mesh axes (of more than one device) the logical axis `logical` is split over under the current rules."""
   (axes,) = nn_partitioning.logical_to_mesh_axes((logical,))
   names = (axes,) if isinstance(axes, str) else tuple(axes or ())
   return tuple(a for a in names if mesh.shape[a] > 1)
@@ -33,11 +35,11 @@ def ulysses_attention(q, k, v, segment_ids, attend, sinks=None, sliding=True):
   on everything."""
   mesh = jax.sharding.get_abstract_mesh()
   sliding = jnp.asarray(sliding)
-  if mesh is None or mesh.empty or not _axes(mesh, "activation_length"):
+  if mesh is None or mesh.empty or not split_axes(mesh, "activation_length"):
     return attend(q, k, v, segment_ids, sinks, sliding)
-  seq_axes = _axes(mesh, "activation_length")
+  seq_axes = split_axes(mesh, "activation_length")
   (batch_axes,) = nn_partitioning.logical_to_mesh_axes(("activation_batch",))
-  head_axes = _axes(mesh, "activation_heads")
+  head_axes = split_axes(mesh, "activation_heads")
   shards = math.prod(mesh.shape[a] for a in seq_axes)
   head_shards = math.prod(mesh.shape[a] for a in head_axes)
   heads, kv_heads = q.shape[2], k.shape[2]

@@ -110,6 +110,8 @@ CASES = [
   ("all_gather", "off"),
   ("ulysses", "dual_chunk_swap"),
   ("ulysses", "off"),
+  ("ring", "dual_chunk_swap"),
+  ("ring", "off"),
 ]
 
 
@@ -137,9 +139,12 @@ def _lowered_text(*overrides):
       return jax.jit(model.apply).lower({"params": params}, ids, positions, segments).as_text()
 
 
-def test_ulysses_trades_sequence_shards_for_head_shards_where_all_gather_gathers():
+def test_ulysses_trades_heads_and_ring_passes_blocks_where_all_gather_gathers():
   ulysses = _lowered_text(*CONTEXT4, "context_parallel_strategy=ulysses")
+  ring = _lowered_text(*CONTEXT4, "context_parallel_strategy=ring")
   gathered = _lowered_text(*CONTEXT4)
+  # the ring's forward: keys, values, their segment ids and original indices each passed on in the step loop
+  assert ring.count("collective_permute") == 4 and "all_to_all" not in ring and "all_gather" not in ring
   assert ulysses.count("all_to_all") == 4  # the scanned layer: q, k and v to head shards, the output back
   assert "all_to_all" not in gathered
 
@@ -208,6 +213,10 @@ def test_load_balancing_evens_the_splash_kernels_work_over_the_shards():
     (("ici_context_parallelism=4", "max_target_length=36"), "context_parallel_load_balance"),
     (("ici_context_parallelism=3",), "ici_context_parallelism=3"),
     (("context_parallel_strategy=usp",), "context_parallel_strategy=usp is not in MaxLite yet"),
+    (
+      ("ici_context_parallelism=4", "context_parallel_strategy=ring", "attention=splash"),
+      "keys and values passed around the sequence shards",
+    ),
     (
       ("ici_context_parallelism=4", "ici_tensor_parallelism=2", "context_parallel_strategy=ulysses"),
       "base_num_query_heads=4 does not divide by 8",
