@@ -243,6 +243,7 @@ def report(
     f"batch {config.global_batch_size_to_train_on} x {config.max_target_length} tokens{' each' if members else ''}, "
     f"dtype {config.dtype}, "
     f"weights {config.weight_dtype}, remat {config.remat_policy}, attention {config.attention_kernel}",
+    *([_context_line(config)] if config.sequence_shards > 1 else []),
     "per device:",
     f"  params          {_gib(state_bytes['params'])}{_where(config.parameter_memory_host_offload)}"
     + (" (the LoRA adapters, which train)" if config.enable_lora else ""),
@@ -386,3 +387,12 @@ def _quantized_as(config: Any) -> str:
     return f" ({config.weight_dtype})"
   tile = f", tiles of {config.lora_tile_size}" if config.lora_tile_size else ", per channel"
   return f" ({config.lora_weight_qtype}{tile}: QLoRA)"
+
+
+def _context_line(config) -> str:
+  """How a sequence split over devices runs (parallel/context.py, layers/ring_attention.py, context_attention.py)."""
+  balance = f"load-balanced ({config.context_parallel_reorder})" if config.context_parallel_reorder else "in order"
+  return (
+    f"context parallelism: each sequence over {config.sequence_shards} devices, "
+    f"{config.context_parallel_strategy}, {balance}"
+  )

@@ -13,13 +13,17 @@ from flax.linen import partitioning as nn_partitioning
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from support.config import first_devices, make_config
+from support.layouts import RUN
+from support.resume import rerun_from_the_checkpoint_before_the_last
 
+from MaxLite.aot import compile_step
 from MaxLite.cli.errors import ConfigError
 from MaxLite.layers import attention as attention_layer
 from MaxLite.layers.splash import OrderedCausalMask
 from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import context, sharding
 from MaxLite.parallel.mesh import create_mesh
+from MaxLite.training.trainer import train
 
 SEQ = 64
 FAMILIES = {
@@ -28,8 +32,10 @@ FAMILIES = {
   "deepseek": ("model_name=tiny-deepseek",),  # MLA, a MoE
   "moe": ("model_name=tiny-moe",),
   "gpt_oss": ("model_name=tiny-gpt-oss",),  # sinks, windows, a MoE
+  "capped": ("model_name=tiny", "attn_logits_soft_cap=2.0"),  # soft-capped scores (Gemma 2's)
 }
 CONTEXT4 = ("ici_fsdp_parallelism=2", "ici_context_parallelism=4")
+TINY_RUN = ("model_name=tiny",)
 
 
 def test_dual_chunk_swap_gives_each_shard_an_early_and_a_late_chunk_and_striped_every_nth_token():
@@ -239,3 +245,25 @@ def test_maxtexts_context_keys_make_the_sequence_axis_and_the_old_key_still_does
     "model_name=tiny", "ici_sequence_parallelism=4", "context_parallel_load_balance=false", num_devices=8
   )
   assert off.context_parallel_reorder == ""
+
+
+@pytest.mark.slow
+def test_a_load_balanced_ring_run_resumes_to_the_uninterrupted_losses(tmp_path):
+  """Checkpoints hold the model, not the order its sequences ran in: killed after its last step (that step's save
+  removed) and run again, a context-parallel run replays the steps after its checkpoint bit for bit, and its losses
+  are one device's."""
+  args = (*RUN, *TINY_RUN, f"base_output_directory={tmp_path}", "steps=4", "checkpoint_period=2")
+  args += ("enable_checkpointing=true", "context_parallel_strategy=ring")
+  config = make_config(*args, "run_name=cp", *CONTEXT4, "per_device_batch_size=0.5", num_devices=8)
+  rows = train(config, first_devices(8))
+  again = rerun_from_the_checkpoint_before_the_last(config, num_devices=8)
+  assert [r["loss"] for r in again if "loss" in r] == [r["loss"] for r in rows if "loss" in r][2:]
+  one = train(make_config(*args, "run_name=one", "per_device_batch_size=4"), first_devices(1))
+  np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in one], rtol=1e-5)
+
+
+def test_train_compile_says_how_each_sequence_is_split():
+  config = make_config("model_name=tiny", *CONTEXT4, "context_parallel_strategy=ulysses", num_devices=8)
+  assert compile_step._context_line(config) == (
+    "context parallelism: each sequence over 4 devices, ulysses, load-balanced (dual_chunk_swap)"
+  )
