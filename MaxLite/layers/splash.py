@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxLite.config import Config
 from MaxLite.config.splash_blocks import capped_blocks
+from MaxLite.parallel import context
 
 
 def block_sizes(config: Config, q_len: int, kv_len: int) -> kernel_lib.BlockSizes:
@@ -100,9 +101,8 @@ def splash_attention(
 
   def attend(kernel, q, k, v, q_segments, kv_segments, sinks):
     if order is not None:  # every key and value is here (gathered along the sequence): back to the original order
-      original = jnp.asarray(np.argsort(order).astype(np.int32))
-      k, v = jnp.take(k, original, axis=2), jnp.take(v, original, axis=2)
-      kv_segments = jnp.take(kv_segments, original, axis=1)
+      k, v = context.restore(k, order, axis=2), context.restore(v, order, axis=2)
+      kv_segments = context.restore(kv_segments, order, axis=1)
 
     def per_example(q, k, v, qs, ks):
       return kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks), **({} if sinks is None else {"sinks": sinks}))

@@ -69,12 +69,3 @@ def restore(x: jax.Array, order: np.ndarray, axis: int = 1) -> jax.Array:
   import jax.numpy as jnp
 
   return jnp.take(x, jnp.asarray(np.argsort(order).astype(np.int32)), axis=axis)
-
-
-def causal_work(order: np.ndarray, shards: int, block: int) -> list[int]:
-  """Per shard, the (query block, key block) pairs a causal kernel that skips fully masked blocks computes, with
-  queries in `order` split into `shards` and keys in the original order, both in blocks of `block` tokens."""
-  seq = len(order)
-  latest = order.reshape(seq // block, block).max(axis=1)  # each query block's latest original index
-  per_block = latest // block + 1  # key blocks that hold a key at or before it
-  return [int(s.sum()) for s in np.split(per_block, shards)]
