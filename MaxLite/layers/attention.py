@@ -156,7 +156,7 @@ class AttentionCore(nn.Module):
       ring_order = np.arange(q.shape[1]) if order is None else order
       # Keys and values go round the sequence shards (layers/ring_attention.py).
       out = ring_attention.ring_attention(
-        q, k, v, segment_ids, ring_order, window, cap, sinks, True if sliding is None else sliding
+        q, k, v, segment_ids, ring_order, window, cap, sinks, True if sliding is None else sliding, cfg.sa_block_kv
       )
     elif cfg.attention_kernel == "splash":
       interpret = cfg.attention_interpret

@@ -6,7 +6,9 @@ shard); each step attends the shard's queries to the block it holds with an onli
 query row, as flash attention keeps per block), and skips a block the mask rules out entirely (without load
 balancing, every block from a later shard). The backward is a second ring: each block travels with the gradients of
 its keys and values, which every shard adds to, and is home after N steps; the scores of one block at a time are
-recomputed from the forward's per-row log-sum-exp, so neither pass holds more than one block's scores.
+recomputed from the forward's per-row log-sum-exp. Within a step the block is walked in chunks of `block` keys
+(`sa_block_kv`), so neither pass holds more than [queries of a shard, block] scores per head, and a chunk the mask
+rules out is skipped on its own.
 
 The mask compares original token indices (`order`, parallel/context.py), so the load-balanced order and packed rows
 (segment ids travel with their block) give the causal, same-document attention of one device, windows included.
@@ -35,24 +37,45 @@ def splits_sequence() -> bool:
   return mesh is not None and not mesh.empty and len(split_axes(mesh, "activation_length")) == 1
 
 
-def _block(q, k, seg_q, seg_k, ord_q, ord_k, window, sliding, cap):
-  """Scores [b, kv_heads, groups, Lq, Lk] (float32, soft-capped) of q [b, Lq, kv_heads, groups, d] against one
-  block k [b, Lk, kv_heads, d], and the block's mask [b, 1, 1, Lq, Lk]."""
+def _scores(q, k, cap):
+  """Scores [b, kv_heads, groups, Lq, Lk] (float32, soft-capped) of q [b, Lq, kv_heads, groups, d] against keys
+  k [b, Lk, kv_heads, d]."""
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-  if cap > 0:
-    scores = jnp.tanh(scores / cap) * cap
+  return jnp.tanh(scores / cap) * cap if cap > 0 else scores
+
+
+def _mask(seg_q, seg_k, ord_q, ord_k, window, sliding):
+  """Which scores count [b, 1, 1, Lq, Lk]: causal (and banded) over original indices, within a document."""
   visible = ord_q[:, None] >= ord_k[None, :]
   if window > 0:
     visible = visible & ((ord_q[:, None] - ord_k[None, :] < window) | jnp.logical_not(sliding))
-  mask = (visible[None] & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None, None]
-  return scores, mask
+  return (visible[None] & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None, None]
+
+
+def _chunked(x, axis, size):
+  """x with its `axis` (of length n x size) cut into n chunks of `size`, the chunks first: what lax.scan walks."""
+  n = x.shape[axis] // size
+  return jnp.moveaxis(x.reshape(*x.shape[:axis], n, size, *x.shape[axis + 1 :]), axis, 0)
+
+
+def _unchunked(x, axis):
+  """The inverse of _chunked."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+
+
+def _loop(n, body, carry):
+  """body(i, carry) for i < n, as a while loop: the forward is never differentiated (the custom_vjp's backward is the
+  ring below), and a remat policy that recomputes the layer partially evaluates the forward rule: a scan there would
+  keep every step's scores as residuals (the whole [queries, keys] matrix per layer), a while loop keeps none."""
+  return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), carry))[1]
 
 
 def _ring(x, axis, shards):
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % shards) for i in range(shards)])
 
 
-def _forward(q, k, v, seg, sinks, sliding, *, order, axis, shards, window, cap):
+def _forward(q, k, v, seg, sinks, sliding, *, order, axis, shards, window, cap, block):
   """This shard's output [b, L, kv_heads, groups, dv] and per-row log-sum-exp [b, kv_heads, groups, L]."""
   me = jax.lax.axis_index(axis)
   length = q.shape[1]
@@ -62,24 +85,28 @@ def _forward(q, k, v, seg, sinks, sliding, *, order, axis, shards, window, cap):
   top = jnp.full((b, kv_heads, groups, length), _MASK_VALUE, jnp.float32)
   total = jnp.zeros((b, kv_heads, groups, length), jnp.float32)
 
-  def step(carry, _):
-    acc, top, total, k, v, seg_k, ord_k = carry
-    scores, mask = _block(q, k, seg, seg_k, ord_q, ord_k, window, sliding, cap)
+  def chunk_step(i, state, chunks):
+    k, v, seg_k, ord_k = (jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in chunks)
+    mask = _mask(seg, seg_k, ord_q, ord_k, window, sliding)
 
     def attend(acc, top, total):
-      scores_masked = jnp.where(mask, scores, _MASK_VALUE)
+      scores_masked = jnp.where(mask, _scores(q, k, cap), _MASK_VALUE)
       new_top = jnp.maximum(top, scores_masked.max(-1))
       weights = jnp.where(mask, jnp.exp(scores_masked - new_top[..., None]), 0.0)
       scale = jnp.exp(top - new_top)
       pv = jnp.einsum("bkgqs,bskd->bkgqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
       return acc * scale[..., None] + pv, new_top, total * scale + weights.sum(-1)
 
-    acc, top, total = jax.lax.cond(jnp.any(mask), attend, lambda *a: a, acc, top, total)
-    k, v, seg_k, ord_k = (_ring(x, axis, shards) for x in (k, v, seg_k, ord_k))
-    return (acc, top, total, k, v, seg_k, ord_k), None
+    return jax.lax.cond(jnp.any(mask), attend, lambda *a: a, *state)
 
-  carry = (acc, top, total, k, v, seg, ord_q)
-  (acc, top, total, *_), _ = jax.lax.scan(step, carry, None, length=shards)
+  def step(_, carry):
+    acc, top, total, k, v, seg_k, ord_k = carry
+    chunks = (_chunked(k, 1, block), _chunked(v, 1, block), _chunked(seg_k, 1, block), _chunked(ord_k, 0, block))
+    acc, top, total = _loop(len(chunks[-1]), lambda i, state: chunk_step(i, state, chunks), (acc, top, total))
+    k, v, seg_k, ord_k = (_ring(x, axis, shards) for x in (k, v, seg_k, ord_k))
+    return acc, top, total, k, v, seg_k, ord_k
+
+  acc, top, total, *_ = _loop(shards, step, (acc, top, total, k, v, seg, ord_q))
   if sinks is not None:  # one more logit per head in the denominator, whose weight is dropped
     sink = sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1)
     new_top = jnp.maximum(top, sink)
@@ -89,18 +116,19 @@ def _forward(q, k, v, seg, sinks, sliding, *, order, axis, shards, window, cap):
   return jnp.moveaxis(out, 3, 1), top + jnp.log(jnp.maximum(total, 1e-30))
 
 
-def _backward(q, k, v, seg, sinks, sliding, out, lse, d_out, *, order, axis, shards, window, cap):
+def _backward(q, k, v, seg, sinks, sliding, out, lse, d_out, *, order, axis, shards, window, cap, block):
   me = jax.lax.axis_index(axis)
   length = q.shape[1]
   ord_q = jax.lax.dynamic_slice_in_dim(jnp.asarray(order), me * length, length)
   d_out32 = jnp.moveaxis(d_out.astype(jnp.float32), 1, 3)  # [b, kv_heads, groups, L, dv]
   delta = jnp.sum(d_out32 * jnp.moveaxis(out.astype(jnp.float32), 1, 3), -1)  # [b, kv_heads, groups, L]
 
-  def step(carry, _):
-    d_q, k, v, seg_k, ord_k, d_k, d_v = carry
-    scores, mask = _block(q, k, seg, seg_k, ord_q, ord_k, window, sliding, cap)
+  def chunk_step(d_q, chunk):
+    k, v, seg_k, ord_k, d_k, d_v = chunk
+    mask = _mask(seg, seg_k, ord_q, ord_k, window, sliding)
 
     def grads(d_q, d_k, d_v):
+      scores = _scores(q, k, cap)
       probs = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
       d_v = d_v + jnp.einsum("bkgqs,bkgqd->bskd", probs, d_out32)
       d_probs = jnp.einsum("bkgqd,bskd->bkgqs", d_out32, v.astype(jnp.float32))
@@ -112,6 +140,13 @@ def _backward(q, k, v, seg, sinks, sliding, out, lse, d_out, *, order, axis, sha
       return d_q, d_k, d_v
 
     d_q, d_k, d_v = jax.lax.cond(jnp.any(mask), grads, lambda *a: a, d_q, d_k, d_v)
+    return d_q, (d_k, d_v)
+
+  def step(carry, _):
+    d_q, k, v, seg_k, ord_k, d_k, d_v = carry
+    chunks = tuple(_chunked(x, 1, block) for x in (k, v, seg_k)) + (_chunked(ord_k, 0, block),)
+    d_q, (d_k, d_v) = jax.lax.scan(chunk_step, d_q, (*chunks, _chunked(d_k, 1, block), _chunked(d_v, 1, block)))
+    d_k, d_v = _unchunked(d_k, 1), _unchunked(d_v, 1)
     # The block moves on with its keys' and values' gradients; after N moves it is back on its own shard.
     k, v, seg_k, ord_k, d_k, d_v = (_ring(x, axis, shards) for x in (k, v, seg_k, ord_k, d_k, d_v))
     return (d_q, k, v, seg_k, ord_k, d_k, d_v), None
@@ -126,10 +161,11 @@ def _backward(q, k, v, seg, sinks, sliding, out, lse, d_out, *, order, axis, sha
   return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_sinks
 
 
-def ring_attention(q, k, v, segment_ids, order, window=0, cap=0.0, sinks=None, sliding=True):
+def ring_attention(q, k, v, segment_ids, order, window=0, cap=0.0, sinks=None, sliding=True, block=512):
   """q [b, s, heads, d]; k, v [b, s, kv_heads, d] (values may be narrower); segment_ids [b, s]; order [s]: each
   place's original index (np.arange(s) when the sequence is not reordered); sinks [heads] or None; sliding: a bool
-  (traced under nn.scan) that turns the window on. The sequence is split on the mesh's `sequence` axis (the
+  (traced under nn.scan) that turns the window on; block: keys per chunk of a shard's block (the largest divisor of
+  the shard's length up to it). The sequence is split on the mesh's `sequence` axis (the
   activation_length rule), the batch and heads as the activations are."""
   mesh = jax.sharding.get_abstract_mesh()
   seq_axes = split_axes(mesh, "activation_length") if mesh is not None and not mesh.empty else ()
@@ -144,7 +180,9 @@ def ring_attention(q, k, v, segment_ids, order, window=0, cap=0.0, sinks=None, s
     k, v = (jnp.repeat(x, heads // k.shape[2], axis=2) for x in (k, v))
   kv_heads = k.shape[2]
   q = q.reshape(b, s, kv_heads, heads // kv_heads, q.shape[-1])
-  static = dict(order=np.asarray(order, np.int32), axis=axis, shards=mesh.shape[axis], window=window, cap=cap)
+  shards = mesh.shape[axis]
+  chunk = max(d for d in range(1, min(block, s // shards) + 1) if (s // shards) % d == 0)
+  static = dict(order=np.asarray(order, np.int32), axis=axis, shards=shards, window=window, cap=cap, block=chunk)
   q_spec, kv_spec, seg_spec = P(batch_axes, axis, heads_spec), P(batch_axes, axis, heads_spec), P(batch_axes, axis)
   sink_spec = None if sinks is None else P(heads_spec)
   other_axes = tuple(a for a in mesh.axis_names if a not in head_axes)

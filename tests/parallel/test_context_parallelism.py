@@ -3,6 +3,7 @@ one device's loss and gradients on packed rows in every family; the splash kerne
 settings are one line each."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from support.resume import rerun_from_the_checkpoint_before_the_last
 from MaxLite.aot import compile_step
 from MaxLite.cli.errors import ConfigError
 from MaxLite.layers import attention as attention_layer
-from MaxLite.layers.splash import OrderedCausalMask
+from MaxLite.layers.splash import CausalBandMask
 from MaxLite.models.transformer import Transformer
 from MaxLite.parallel import context, sharding
 from MaxLite.parallel.mesh import create_mesh
@@ -129,6 +130,8 @@ def test_context_parallel_loss_and_gradients_equal_one_device_on_packed_rows(fam
   keys = (
     ("context_parallel_load_balance=false",) if balance == "off" else (f"context_parallel_reorder_strategy={balance}",)
   )
+  if strategy == "ring":  # each shard's 8-token block walked in chunks of 4 keys (sa_block_kv), each skipped alone
+    keys += ("sa_block_kv=4",)
   config, got = _loss_and_grads(family, 8, *CONTEXT4, f"context_parallel_strategy={strategy}", *keys)
   assert config.sequence_shards == 4 and config.context_parallel_reorder == ("" if balance == "off" else balance)
   _assert_same(got, _one_device(family))
@@ -154,6 +157,36 @@ def test_ulysses_trades_heads_and_ring_passes_blocks_where_all_gather_gathers():
   assert ring.count("collective_permute") == 4 and "all_to_all" not in ring and "all_gather" not in ring
   assert ulysses.count("all_to_all") == 4  # the scanned layer: q, k and v to head shards, the output back
   assert "all_to_all" not in gathered
+
+
+@pytest.mark.parametrize("remat", ["full", "minimal"])
+def test_the_ring_keeps_no_step_of_scores_for_the_backward(remat):
+  """The ring's backward recomputes scores a chunk at a time. Under the decoder's remat and scanned layers the forward
+  rule is partially evaluated; loops there that kept each step's scores as residuals held the whole [queries, keys]
+  matrix per layer (16 GiB a layer for Llama 3.1 8B at 32,768 tokens on v5p-16): no value of the gradient's program
+  stacks score chunks [batch, kv heads, groups, queries of a shard, keys of a chunk]."""
+  config = make_config(
+    "model_name=tiny",
+    f"max_target_length={SEQ}",
+    "per_device_batch_size=0.5",
+    *CONTEXT4,
+    "context_parallel_strategy=ring",
+    "sa_block_kv=4",
+    f"remat_policy={remat}",
+    num_devices=8,
+  )
+  ids, positions, segments = _packed(4, SEQ)
+  model = Transformer(config)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, positions, segments)["params"])
+
+  def loss(p):
+    return model.apply({"params": p}, ids, positions, segments).astype(jnp.float32).sum()
+
+  with jax.set_mesh(create_mesh(config, first_devices(8))):
+    with nn_partitioning.axis_rules(sharding.axis_rules(config)):
+      program = str(jax.make_jaxpr(jax.grad(loss))(params))
+  score_shapes = {s for s in re.findall(r"f32\[([0-9,]+)\]", program) if s.endswith(f",{SEQ // 4},4")}
+  assert score_shapes and all(s.count(",") <= 4 for s in score_shapes), score_shapes
 
 
 @pytest.mark.slow
@@ -205,7 +238,7 @@ def test_load_balancing_evens_the_splash_kernels_work_over_the_shards():
   seq, shards, block = 8192, 8, 512
   plain = _blocks_per_shard(mask_lib.CausalMask((seq, seq)), seq, shards, block)
   order = context.token_order(seq, shards, "dual_chunk_swap")
-  balanced = _blocks_per_shard(OrderedCausalMask((seq, seq), order), seq, shards, block)
+  balanced = _blocks_per_shard(CausalBandMask((seq, seq), order), seq, shards, block)
   print(f"blocks per shard: causal {plain}, dual_chunk_swap {balanced}")
   assert max(plain) / np.mean(plain) > 1.8  # the last shard does 31 of the 17 a shard does on average
   assert max(balanced) / np.mean(balanced) <= 1.05
@@ -213,6 +246,61 @@ def test_load_balancing_evens_the_splash_kernels_work_over_the_shards():
   # plan.py costs the busiest shard's blocks (hlo_costs.splash_kernel_flops: 2 x 2 FLOPs a pair for 1 head of width 1)
   costed = hlo_costs.splash_kernel_flops(("fwd", 1, 1, seq // shards, seq, 1), block, block, reorder="dual_chunk_swap")
   assert costed == 4 * max(balanced) * block * block
+
+
+class _ComputedBandMask(CausalBandMask):
+  """The same mask with every block computed (the kernel's own _ComputableMask slicing)."""
+
+  def __getitem__(self, idx):
+    return mask_lib._ComputableMask.__getitem__(self, idx)  # noqa: SLF001
+
+
+@pytest.mark.parametrize(
+  "reorder, window, shards",
+  [
+    ("", 0, 1),
+    ("", 127, 4),
+    ("", 33, 1),
+    ("dual_chunk_swap", 0, 4),
+    ("dual_chunk_swap", 34, 4),
+    ("dual_chunk_swap", 159, 2),
+    ("striped", 0, 4),
+    ("striped", 33, 2),
+  ],
+)
+def test_band_mask_answers_whole_blocks_as_the_computed_mask_does(reorder, window, shards):
+  """CausalBandMask answers blocks wholly inside or outside the band from their index range: the kernel gets the
+  same block map, partial blocks and mask info (forward and dK/dV) as from the full computation, and as from jax's
+  own CausalMask / LocalMask in the original order. The windows put a band's edge on a block's first or last row."""
+  seq, q_block, kv_block = 512, 32, 64
+  order = context.token_order(seq, shards, reorder) if reorder else None
+  masks = [CausalBandMask((seq, seq), order, window), _ComputedBandMask((seq, seq), order, window)]
+  if order is None:
+    band = (window - 1, 0)
+    masks.append(mask_lib.LocalMask((seq, seq), band, offset=0) if window else mask_lib.CausalMask((seq, seq)))
+  sizes = kernel_lib.BlockSizes(
+    block_q=q_block,
+    block_kv=kv_block,
+    block_kv_compute=kv_block,
+    block_q_dkv=q_block,
+    block_kv_dkv=kv_block,
+    block_kv_dkv_compute=kv_block,
+    use_fused_bwd_kernel=True,
+  )
+  infos = []
+  for mask in masks:
+    kernel = kernel_lib.make_splash_mha(
+      mask_lib.MultiHeadMask([mask, mask]), block_sizes=sizes, head_shards=1, q_seq_shards=shards, interpret=True
+    )
+    infos.append((kernel.fwd_mask_info, kernel.dkv_mask_info))
+  for info in infos[1:]:
+    for fast, computed in zip(infos[0], info, strict=True):
+      for field in ("data_next", "mask_next", "block_mask", "partial_mask_blocks", "q_sequence"):
+        a, b = getattr(fast, field), getattr(computed, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+          np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+  assert masks[0]._constants  # noqa: SLF001 (some blocks were answered from their index range)
 
 
 @pytest.mark.parametrize(
