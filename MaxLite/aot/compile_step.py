@@ -133,6 +133,18 @@ def dot_operand_types(hlo_text: str) -> dict[tuple[str, str], int]:
   return counts
 
 
+def shrink_hint(oom: str, state_bytes: int, hbm_bytes: int | None) -> str:
+  """The keys that would make a program that does not fit smaller, by what ran out."""
+  if "smem" in oom.lower():  # the splash kernel's block map lives in the core's scalar memory (1 MiB on v5p)
+    return (
+      "larger splash blocks (sa_block_q, sa_block_kv, sa_block_q_dkv, sa_block_kv_dkv): the kernel keeps a map of "
+      "its query x key blocks in the core's scalar memory (SMEM), which a long sequence fills"
+    )
+  if hbm_bytes is not None and state_bytes > hbm_bytes / 2:
+    return "more ici_fsdp_parallelism, parameter_memory_host_offload / optimizer_memory_host_offload=true"
+  return "remat_policy (full, or custom with decoder_layer_input=offload), per_device_batch_size, num_vocab_tiling"
+
+
 def out_of_memory(message: str) -> str | None:
   """The compiler's out-of-HBM error as one line with the shortfall, or None for other errors."""
   if "RESOURCE_EXHAUSTED" not in message:
@@ -353,10 +365,7 @@ def _compile_and_report(
     if oom is None:
       raise
     state = state_bytes["params"] + state_bytes["optimizer"]
-    if target.chip is not None and state > target.chip.hbm_bytes / 2:
-      hint = "more ici_fsdp_parallelism, parameter_memory_host_offload / optimizer_memory_host_offload=true"
-    else:
-      hint = "remat_policy (full, or custom with decoder_layer_input=offload), per_device_batch_size, num_vocab_tiling"
+    hint = shrink_hint(oom, state, target.chip.hbm_bytes if target.chip is not None else None)
     frozen = f" + frozen base {_gib(state_bytes['frozen'])}" if config.enable_lora else ""
     print(
       f"{config.model_name} on {target.name}: params {_gib(state_bytes['params'])}{frozen} + optimizer state "

@@ -280,6 +280,23 @@ def test_shrink_hints_name_the_keys_for_each_kind_of_large_buffer():
   assert not any("attention" in h for h in shrink_hints([saved, scores], "splash"))  # splash never holds scores
 
 
+def test_a_full_scalar_memory_names_the_splash_block_keys_not_remat():
+  """libtpu's words when the splash kernel's block map outgrows SMEM (Llama 3.1 8B, 524,288 tokens, Ulysses over 8
+  v5p chips): HBM keys would not help, larger blocks do."""
+  error = (
+    "RESOURCE_EXHAUSTED: Allocation (size=2097152) would exceed memory (size=1048576) :: #allocation3 [shape = "
+    "'u8[2097152]{0}', space=smem, size = 0x200000, scoped, tag = 'prefetched SMEM operand 0'] :: "
+    "splash_mha_fwd_segmented_residuals.3"
+  )
+  oom = compile_step.out_of_memory(error)
+  assert oom.startswith("DOES NOT FIT: RESOURCE_EXHAUSTED: Allocation (size=2097152)")
+  hint = compile_step.shrink_hint(oom, 1 << 30, 95 << 30)
+  assert hint.startswith("larger splash blocks (sa_block_q, sa_block_kv") and "remat" not in hint
+  hbm = compile_step.out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm (691.23G) (95.74G)")
+  assert compile_step.shrink_hint(hbm, 1 << 30, 95 << 30).startswith("remat_policy")
+  assert compile_step.shrink_hint(hbm, 60 << 30, 95 << 30).startswith("more ici_fsdp_parallelism")
+
+
 @pytest.mark.parametrize(
   "args, fragment",
   [
