@@ -18,7 +18,7 @@ attention never sees). Each row prints as labeled lines, texts as JSON strings (
 shows): `[0] prompt: "The Python"` then `[0] completion: " is a language"`; with use_chat_template=true each message
 of the prompt (`[0] user: "..."`) and then `[0] assistant: "..."`.
 
-The cache lives in flax's "cache" collection, [batch, max_target_length, kv_heads, head_dim] per layer, sharded by the
+The cache lives in flax's "cache" collection, [batch, kv_heads, max_target_length, head_dim] per layer, sharded by the
 logical rules.
 """
 

@@ -1,6 +1,6 @@
 """Generating text with a KV cache: batched prefill, then one token per step, with MaxText's sampling strategies.
 
-The cache lives in flax's "cache" collection, [batch, max_target_length, kv_heads, head_dim] per layer, sharded by
+The cache lives in flax's "cache" collection, [batch, kv_heads, max_target_length, head_dim] per layer, sharded by
 the logical rules. `run` is decode.py's body: load the checkpoint's parameters, tokenize the prompts, generate.
 """
 

@@ -77,17 +77,24 @@ def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
 
 
 def dot_product_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cap: float = 0.0, sinks: jax.Array | None = None
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  cap: float = 0.0,
+  sinks: jax.Array | None = None,
+  kv_layout: str = "bskd",
 ) -> jax.Array:
-  """q [b, s, heads, d]; k, v [b, s, kv_heads, d]; heads = kv_heads * groups. Softmax in float32, after the
-  scores' soft cap (cap > 0), with the sinks [heads] in its denominators (softmax_with_sinks)."""
+  """q [b, s, heads, d]; k, v [b, s, kv_heads, d], or with kv_layout="bksd" [b, kv_heads, s, d] (the KV cache's
+  layout); heads = kv_heads * groups. Softmax in float32, after the scores' soft cap (cap > 0), with the sinks [heads]
+  in its denominators (softmax_with_sinks)."""
   b, s, heads, d = q.shape
-  kv_heads = k.shape[2]
+  kv_heads = k.shape[kv_layout.index("k")]
   q = q.reshape(b, s, kv_heads, heads // kv_heads, d)
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum(f"bqkgd,{kv_layout}->bkgqs", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(mask, soft_cap(scores, cap), _MASK_VALUE)
   probs = softmax_with_sinks(scores, sinks).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+  out = jnp.einsum(f"bkgqs,{kv_layout}->bqkgd", probs, v)
   return out.reshape(b, s, heads, v.shape[-1])  # MLA's values may be narrower than its queries
 
 
@@ -108,7 +115,7 @@ def cached_attention_mask(
 
 class AttentionCore(nn.Module):
   """What every attention variant shares once it has its queries, keys and values: the kernel the config chose, the
-  KV cache when decoding (decode=True keeps keys and values in a "cache" collection [batch, max_target_length, ...];
+  KV cache when decoding (decode=True keeps keys and values in a "cache" collection [batch, kv_heads, slots, ...];
   each call writes its tokens at their positions and attends over everything cached so far), and the output
   projection."""
 
@@ -138,7 +145,7 @@ class AttentionCore(nn.Module):
     order = None if self.decode else context.order_of(cfg, q.shape[1])
     if self.decode:
       k, v, mask = self._update_cache(k, v, positions, segment_ids, window, sliding)
-      out = dot_product_attention(q, k, v, mask, cap, sinks)
+      out = dot_product_attention(q, k, v, mask, cap, sinks, kv_layout="bksd")
     elif cfg.context_parallel_strategy == "ulysses" and cfg.sequence_shards > 1:  # whole sequences of some heads
       splash, interpret = cfg.attention_kernel == "splash", cfg.attention_interpret
 
@@ -195,13 +202,17 @@ class AttentionCore(nn.Module):
     self, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array, window: int, sliding: Any
   ) -> tuple:
     b, length = k.shape[0], self.config.max_target_length
-    axes = (BATCH, None, "activation_kv_heads", "activation_kv")
-    cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, length, *k.shape[2:]), k.dtype)
-    cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, length, *v.shape[2:]), v.dtype)
+    # Heads before slots: the attention's dots read the cache with their batch axes (row, head) leading, as stored.
+    # Slots first made XLA transpose every layer's whole cache at every step: 60% of a decode step at batch 16 and
+    # 1,024 slots on CPU, a cost that grew with batch x max_target_length rather than with the tokens held.
+    axes = (BATCH, "activation_kv_heads", None, "activation_kv")
+    cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, k.shape[2], length, k.shape[3]), k.dtype)
+    cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, v.shape[2], length, v.shape[3]), v.dtype)
     cached_seg = self.variable("cache", "cached_segment_ids", jnp.zeros, (b, length), jnp.int32)
     rows = jnp.arange(b)[:, None]
-    cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, positions].set(k), axes)
-    cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, positions].set(v), axes)
+    # rows [b, 1] and positions [b, q] index around the heads' slice: the indexed values are [b, q, kv_heads, d], k's.
+    cached_k.value = nn.with_logical_constraint(cached_k.value.at[rows, :, positions].set(k), axes)
+    cached_v.value = nn.with_logical_constraint(cached_v.value.at[rows, :, positions].set(v), axes)
     cached_seg.value = cached_seg.value.at[rows, positions].set(segment_ids)
     mask = cached_attention_mask(positions, segment_ids, cached_seg.value, window, sliding)
     return cached_k.value, cached_v.value, mask
