@@ -137,8 +137,9 @@ def shrink_hint(oom: str, state_bytes: int, hbm_bytes: int | None) -> str:
   """The keys that would make a program that does not fit smaller, by what ran out."""
   if "smem" in oom.lower():  # the splash kernel's block map lives in the core's scalar memory (1 MiB on v5p)
     return (
-      "larger splash blocks (sa_block_q, sa_block_kv, sa_block_q_dkv, sa_block_kv_dkv): the kernel keeps a map of "
-      "its query x key blocks in the core's scalar memory (SMEM), which a long sequence fills"
+      "larger splash blocks (sa_block_q / sa_block_kv, and the backward's sa_block_q_dkv / sa_block_kv_dkv and "
+      "sa_block_q_dq / sa_block_kv_dq): each kernel keeps a map of its query x key blocks in the core's scalar memory "
+      "(SMEM), which a long sequence fills"
     )
   if hbm_bytes is not None and state_bytes > hbm_bytes / 2:
     return "more ici_fsdp_parallelism, parameter_memory_host_offload / optimizer_memory_host_offload=true"
