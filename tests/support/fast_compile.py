@@ -20,12 +20,12 @@ _FAST_COMPILE_FLAGS = (
 )
 
 
-def flags_this_xla_knows(flags: tuple[str, ...]) -> str:
+def flags_this_xla_knows(flags: tuple[str, ...], cache_env: str = "MAXLITE_TEST_FAST_COMPILE") -> str:
   """`flags` less those this jaxlib's XLA does not define. XLA aborts a process at start on a flag it does not know,
   and jax 0.11 removed the older loop emitters with their flag (the GPU machines run jax 0.11.2: there the tests
   compile at LLVM level 0 alone). Probed in a child process once per test run; the answer travels to the
-  xdist workers in the environment."""
-  cached = os.environ.get("MAXLITE_TEST_FAST_COMPILE")
+  xdist workers in the environment (`cache_env`)."""
+  cached = os.environ.get(cache_env)
   if cached is not None:
     return cached
 
@@ -35,7 +35,7 @@ def flags_this_xla_knows(flags: tuple[str, ...]) -> str:
     return subprocess.run(probe, env=env, capture_output=True).returncode == 0
 
   known = " ".join(flags if accepted(flags) else [flag for flag in flags if accepted((flag,))])
-  os.environ["MAXLITE_TEST_FAST_COMPILE"] = known
+  os.environ[cache_env] = known
   return known
 
 
