@@ -5,9 +5,10 @@ busy. On XLA:CPU each simulated device (`--xla_force_host_platform_device_count`
 each execution as soon as its inputs are ready, so one device can be in call n + 1 while another is still in call n.
 Where a program's collectives sit in loops (ring attention's blocks passed around the sequence shards, in a while
 loop per layer and per microbatch), the devices then wait for each other at different collectives until XLA's
-rendezvous gives up and aborts the process ("Termination timeout for `collective permute ...` of 40 seconds exceeded",
-after "Fatal Python error: Aborted"). A pod simulated on a laptop waits for each call to finish instead: the only cost
-is the dispatch overlap, a few milliseconds a step.
+rendezvous gives up and aborts the process (XLA's "Termination timeout for `collective permute ...` of 40 seconds
+exceeded", then Python's "Fatal Python error: Aborted"). A pod simulated on a laptop waits for each call to finish
+instead: the only cost is the dispatch overlap, a few milliseconds a step. (Within one call, two rings side by side can
+still meet that abort in rare runs: the README's long-context section says when.)
 """
 
 from __future__ import annotations
