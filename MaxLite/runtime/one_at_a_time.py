@@ -7,8 +7,8 @@ Where a program's collectives sit in loops (ring attention's blocks passed aroun
 loop per layer and per microbatch), the devices then wait for each other at different collectives until XLA's
 rendezvous gives up and aborts the process (XLA's "Termination timeout for `collective permute ...` of 40 seconds
 exceeded", then Python's "Fatal Python error: Aborted"). A pod simulated on a laptop waits for each call to finish
-instead: the only cost is the dispatch overlap, a few milliseconds a step. (Within one call, two rings side by side can
-still meet that abort in rare runs: the README's long-context section says when.)
+instead, giving up only the overlap of one step's dispatch with the last one's run. (Within one call, two rings side
+by side can still meet that abort in rare runs: the README's long-context section says when.)
 """
 
 from __future__ import annotations

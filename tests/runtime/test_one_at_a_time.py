@@ -15,7 +15,7 @@ from MaxLite.runtime import one_at_a_time
 # Ring attention's shape in miniature: per microbatch (a scan), blocks passed around 4 sequence shards (a loop of
 # ppermutes) with chunks skipped where a device-dependent condition says so (the mask), then an all-gather over the
 # other axis. Called 300 times without waiting, XLA:CPU's device threads meet at different collectives within seconds
-# (jax 0.10.2 and 0.11.2); the short rendezvous timeouts turn that deadlock into an abort in 5 s instead of 60.
+# (jax 0.10.2: 3 runs of 3 without the wait); the short rendezvous timeouts make that deadlock an abort in 5 s, not 60.
 _LOOPED_COLLECTIVES = """
 import sys
 import jax, jax.numpy as jnp
